@@ -1,0 +1,34 @@
+"""pgbroker: a Celery broker whose queue is a PostgreSQL table.
+
+``import pgbroker`` registers the ``pgbroker://`` URL scheme with kombu, so a Celery app needs
+only ``broker_url = "pgbroker://user@host/db"``.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    IdempotencyKeyRequired,
+    MessageError,
+    PgBrokerError,
+    SchemaError,
+)
+from .migrate import migrate
+from .settings import Settings
+from .transport import _register
+
+__all__ = [
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "IdempotencyKeyRequired",
+    "MessageError",
+    "PgBrokerError",
+    "SchemaError",
+    "Settings",
+    "migrate",
+]
+
+__version__ = "0.1.0"
+
+_register()

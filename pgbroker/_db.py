@@ -1,0 +1,123 @@
+"""The one module that owns the driver: connections, URL handling and error translation.
+
+Every connection is opened here, with TCP keepalives so that a dead peer is noticed, the session
+time zone pinned to UTC, and the process id recorded: a connection inherited through ``fork()``
+is never used or closed by the child (closing it would end the parent's session).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+
+from .errors import ConfigurationError, DatabaseUnavailable, PgBrokerError
+
+logger = logging.getLogger(__name__)
+
+#: Errors that mean "the connection is gone": Celery and kombu reconnect on these.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable,
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    ConnectionError,
+    OSError,
+)
+
+_SCHEMES = ("pgbroker+postgresql://", "pgbroker+postgres://", "pgbroker://")
+
+_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+
+
+def libpq_url(url: str) -> str:
+    """Turn a ``pgbroker://`` or ``pgbroker+postgresql://`` URL into a libpq URL."""
+    if not isinstance(url, str) or not url:
+        raise ConfigurationError("the broker URL is empty")
+    for prefix in _SCHEMES:
+        if url.startswith(prefix):
+            return "postgresql://" + url[len(prefix):]
+    if url.startswith(("postgresql://", "postgres://")):
+        return url
+    if "://" not in url:  # a libpq key=value conninfo string
+        return url
+    raise ConfigurationError(
+        f"{mask_password(url)} is not a PostgreSQL URL: use pgbroker://user@host:port/dbname"
+    )
+
+
+def mask_password(url: str, mask: str = "**") -> str:
+    """The URL with its password (if any) replaced by ``mask``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return re.sub(r"(password=)\S+", rf"\g<1>{mask}", url)
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:{mask}@{netloc[1]}"))
+
+
+def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 10.0,
+            application_name: str = "pgbroker", **kwargs: Any) -> psycopg.Connection[Any]:
+    """Open a connection, translating failures to :class:`DatabaseUnavailable`."""
+    params: dict[str, Any] = {**_KEEPALIVES, "connect_timeout": max(1, int(connect_timeout))}
+    params.setdefault("application_name", application_name)
+    params.update(kwargs)
+    try:
+        conn = psycopg.connect(libpq_url(conninfo), autocommit=autocommit, **params)
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL at {mask_password(libpq_url(conninfo))}: "
+            f"{_first_line(exc)}"
+        ) from exc
+    conn.execute("SET TIME ZONE 'UTC'")
+    if not autocommit:
+        conn.commit()
+    conn._pgbroker_pid = os.getpid()  # type: ignore[attr-defined]
+    return conn
+
+
+def close(conn: psycopg.Connection[Any] | None) -> None:
+    """Close ``conn`` if this process opened it; forget it silently otherwise."""
+    if conn is None or conn.closed:
+        return
+    if getattr(conn, "_pgbroker_pid", None) != os.getpid():
+        return  # inherited through fork: the parent still uses this session
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+def owned(conn: psycopg.Connection[Any] | None) -> bool:
+    """True when ``conn`` is open and was opened by this process."""
+    return (conn is not None and not conn.closed
+            and getattr(conn, "_pgbroker_pid", None) == os.getpid())
+
+
+@contextlib.contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    """Turn driver connection errors into :class:`DatabaseUnavailable` (``__cause__`` kept)."""
+    try:
+        yield
+    except PgBrokerError:
+        raise
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            raise
+        raise DatabaseUnavailable(f"{what}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

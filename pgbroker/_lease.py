@@ -1,0 +1,116 @@
+"""A consumer's lease: registration, advisory lock, heartbeats, and the in-worker sweeper.
+
+One :class:`Lease` per consuming broker connection. It registers the consumer (after taking its
+session advisory lock, so no sweeper can see the row without the lock), then a daemon thread
+heartbeats every ``heartbeat_interval`` and sweeps every ``sweep_interval``, over a connection of
+its own: a blocked event loop (a solo pool running a long task) does not stop the heartbeats, and
+a stopped process (SIGSTOP) or a dead host does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+
+from . import _db
+from ._store import Store
+from .sweeper import Sweeper, lock_class
+
+__all__ = ["Lease"]
+
+logger = logging.getLogger(__name__)
+
+
+class Lease:
+    """Registration and liveness of one consumer id."""
+
+    def __init__(self, store: Store, queues: Callable[[], Sequence[str]]):
+        self.id = uuid.uuid4()
+        self.settings = store.settings
+        self._queues = queues
+        # The lease's own connection and store: never the one the event loop claims with.
+        self._store = Store(store.conninfo, store.settings, application_name="pgbroker lease")
+        self._lock_class = lock_class(self.settings.schema)
+        self._lock_key: int | None = None
+        self._sweeper = Sweeper(self._store)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = False
+        self._mutex = threading.Lock()
+
+    def ensure(self) -> uuid.UUID:
+        """Register (once) and start heartbeating; returns the consumer id to claim with."""
+        if not self._started:
+            with self._mutex:
+                if not self._started:
+                    self._register()
+                    self._thread = threading.Thread(
+                        target=self._run, name=f"pgbroker-lease-{self.id}", daemon=True)
+                    self._thread.start()
+                    self._started = True
+        return self.id
+
+    def _register(self) -> None:
+        conn = self._store.connect()
+        if self.settings.use_advisory_locks:
+            self._lock_key = self._take_lock(conn)
+        self._store.register_consumer(self.id, self._queues(), self._lock_key)
+
+    def _take_lock(self, conn: psycopg.Connection[Any]) -> int:
+        with _db.translate_errors("taking the consumer lock"):
+            if self._lock_key is not None:
+                row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
+                                   (self._lock_class, self._lock_key)).fetchone()
+                if row and row[0]:
+                    return self._lock_key
+            while True:  # a random key; another consumer holding the same one is vanishingly rare
+                key = random.randint(1, 0x7FFFFFFF)
+                row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
+                                   (self._lock_class, key)).fetchone()
+                if row and row[0]:
+                    return key
+
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + random.uniform(0, self.settings.sweep_interval)
+        backoff = 0.5
+        while not self._stop.wait(self.settings.heartbeat_interval):
+            try:
+                if not self._store.heartbeat(self.id, self._queues()):
+                    logger.warning(
+                        "pgbroker consumer %s was declared lost (no heartbeat for %ss); its "
+                        "running jobs were redelivered: registering again", self.id,
+                        self.settings.lease_timeout)
+                    self._register()
+                if time.monotonic() >= next_sweep and self.settings.sweep_interval > 0:
+                    next_sweep = time.monotonic() + self.settings.sweep_interval
+                    self._sweeper.run_once()
+                backoff = 0.5
+            except Exception as exc:  # keep the lease alive through database restarts
+                logger.warning("pgbroker lease %s: %s; reconnecting", self.id, exc)
+                self._store.close()
+                if self._stop.wait(backoff):
+                    break
+                backoff = min(backoff * 2, self.settings.heartbeat_interval)
+                try:
+                    self._register()
+                except Exception as exc2:  # noqa: BLE001 - retried at the next beat
+                    logger.warning("pgbroker lease %s: cannot register again: %s", self.id, exc2)
+
+    def close(self) -> None:
+        """Stop heartbeating and unregister (the lock goes with the connection)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if self._started:
+            try:
+                self._store.unregister_consumer(self.id)
+            except Exception as exc:  # noqa: BLE001 - the sweeper forgets us anyway
+                logger.debug("pgbroker lease %s: unregister failed: %s", self.id, exc)
+        self._store.close()

@@ -1,0 +1,288 @@
+"""The only code that runs SQL: one :class:`Store` per broker connection.
+
+Queries live in ``sql/queries.sql`` as named blocks, loaded once. A store owns one psycopg
+connection in autocommit mode: every method is one statement, so one short transaction, and
+psycopg serialises calls from several threads (an ack from a thread pool, a heartbeat thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+from psycopg.types.json import Jsonb
+
+from . import _db
+from .migrate import check as check_schema
+from .migrate import migrate as run_migrations
+from .settings import Settings
+
+__all__ = ["Store", "JobRow", "NewJob", "queries"]
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_RE = re.compile(r"^-- name: (\w+)\s*$", re.M)
+
+
+@cache
+def queries(schema: str) -> dict[str, str]:
+    """The named queries of ``sql/queries.sql`` for ``schema`` (validated by Settings)."""
+    text = resources.files("pgbroker").joinpath("sql").joinpath("queries.sql").read_text("utf-8")
+    parts = _BLOCK_RE.split(text)[1:]
+    return {name: body.replace("{schema}", f'"{schema}"').strip()
+            for name, body in zip(parts[::2], parts[1::2])}
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A message to insert; built by the transport or by :func:`pgbroker.enqueue`."""
+
+    id: uuid.UUID
+    queue: str
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    exchange: str = ""
+    routing_key: str = ""
+    task: str | None = None
+    task_id: str | None = None
+    retries: int = 0
+    priority: int = 0
+    max_attempts: int = 5
+    run_at: datetime | None = None
+    expires_at: datetime | None = None
+    idempotency_key: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "queue": self.queue, "task": self.task, "task_id": self.task_id,
+            "retries": self.retries, "exchange": self.exchange, "routing_key": self.routing_key,
+            "body": self.body, "content_type": self.content_type,
+            "content_encoding": self.content_encoding, "headers": Jsonb(self.headers),
+            "properties": Jsonb(self.properties), "priority": self.priority,
+            "max_attempts": self.max_attempts, "run_at": self.run_at,
+            "expires_at": self.expires_at, "idempotency_key": self.idempotency_key,
+        }
+
+
+def insert_many_params(jobs: Sequence[NewJob], channel: str) -> dict[str, Any]:
+    """Column arrays for ``job_insert_many``."""
+    cols: dict[str, list[Any]] = {}
+    for job in jobs:
+        for key, value in job.params().items():
+            cols.setdefault(key, []).append(value)
+    return {**cols, "channel": channel}
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """A claimed delivery."""
+
+    id: uuid.UUID
+    queue: str
+    attempt: int
+    priority: int
+    run_at: datetime
+    exchange: str
+    routing_key: str
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: Any
+    properties: Any
+
+
+class Store:
+    """pgbroker's statements over one connection."""
+
+    def __init__(self, conninfo: str, settings: Settings, *, application_name: str = "pgbroker"):
+        self.conninfo = conninfo
+        self.settings = settings
+        self.q = queries(settings.schema)
+        self._application_name = application_name
+        self._conn: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+
+    # -- connection ------------------------------------------------------------------------------
+
+    def connect(self) -> psycopg.Connection[Any]:
+        """Open the connection (migrating or checking the schema first); idempotent."""
+        with self._lock:
+            if _db.owned(self._conn):
+                assert self._conn is not None
+                return self._conn
+            self._conn = None  # inherited through fork, or closed: never reuse
+            if self.settings.auto_migrate:
+                ensure_migrated(self.conninfo, self.settings.schema)
+            conn = _db.connect(self.conninfo, connect_timeout=self.settings.connect_timeout,
+                               application_name=self._application_name)
+            if not self.settings.auto_migrate:
+                with _db.translate_errors("checking the pgbroker schema"):
+                    check_schema(conn, self.settings.schema)
+            self._conn = conn
+            return conn
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is None or conn.closed or getattr(conn, "_pgbroker_pid", None) != os.getpid():
+            return self.connect()
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            _db.close(self._conn)
+            self._conn = None
+
+    def _execute(self, name: str, params: dict[str, Any] | None = None,
+                 binary: bool = False) -> psycopg.Cursor[Any]:
+        with _db.translate_errors(f"pgbroker {name}"):
+            return self.conn.cursor(binary=binary, row_factory=tuple_row).execute(
+                self.q[name], params)
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def insert(self, job: NewJob) -> None:
+        self._execute("job_insert", {**job.params(), "channel": self.settings.channel})
+
+    def insert_many(self, jobs: Sequence[NewJob]) -> None:
+        if jobs:
+            self._execute("job_insert_many", insert_many_params(jobs, self.settings.channel))
+
+    # -- consume ---------------------------------------------------------------------------------
+
+    def claim(self, queue: str, limit: int, consumer: uuid.UUID) -> list[JobRow]:
+        cur = self._execute("job_claim", {"queue": queue, "limit": limit, "consumer": consumer},
+                            binary=True)
+        rows = [JobRow(*row) for row in cur.fetchall()]
+        rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
+        return rows
+
+    def promote(self, queues: Sequence[str], limit: int = 1000) -> int:
+        row = self._execute("job_promote", {"queues": list(queues), "limit": limit,
+                                            "channel": self.settings.channel}).fetchone()
+        return int(row[0]) if row else 0
+
+    def next_due(self, queues: Sequence[str]) -> float | None:
+        """Seconds (database clock) until the earliest scheduled job of ``queues`` is due."""
+        row = self._execute("job_next_due", {"queues": list(queues)}).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    def ack(self, deliveries: Iterable[tuple[uuid.UUID, int]]) -> int:
+        ids, attempts = _split(deliveries)
+        if not ids:
+            return 0
+        name = "job_ack_delete" if self.settings.retention == 0 else "job_ack"
+        return self._execute(name, {"ids": ids, "attempts": attempts}).rowcount
+
+    def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
+                error: str | None = None) -> None:
+        ids, attempts = _split(deliveries)
+        if ids:
+            self._execute("job_requeue", {"ids": ids, "attempts": attempts, "error": error,
+                                          "channel": self.settings.channel})
+
+    def bury(self, job_id: uuid.UUID, attempt: int | None, error: str) -> int:
+        if attempt is None:
+            return self._execute("job_bury_row", {"id": job_id, "error": error}).rowcount
+        return self._execute("job_bury", {"id": job_id, "attempt": attempt,
+                                          "error": error}).rowcount
+
+    # -- queues ----------------------------------------------------------------------------------
+
+    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None) -> None:
+        self._execute("queue_declare", {"name": name, "arguments": Jsonb(arguments or {})})
+
+    def queue_exists(self, name: str) -> bool:
+        row = self._execute("queue_exists", {"name": name}).fetchone()
+        return bool(row and row[0])
+
+    def queue_size(self, name: str) -> int:
+        row = self._execute("queue_size", {"name": name}).fetchone()
+        return int(row[0]) if row else 0
+
+    def purge(self, name: str) -> int:
+        row = self._execute("queue_purge", {"name": name}).fetchone()
+        return int(row[0]) if row else 0
+
+    def delete_queue(self, name: str) -> None:
+        self._execute("queue_delete", {"name": name})
+
+    def paused(self, names: Sequence[str]) -> set[str]:
+        return {r[0] for r in self._execute("queue_paused", {"names": list(names)})}
+
+    # -- maintenance (the sweeper) ---------------------------------------------------------------
+
+    def rescue(self, lock_class: int, limit: int = 1000) -> tuple[int, int, int]:
+        """Orphaned running jobs back to pending (or dead); returns (requeued, dead, consumers)."""
+        row = self._execute("job_rescue", {
+            "lease": self.settings.lease_timeout, "lock_class": lock_class, "limit": limit,
+            "channel": self.settings.channel}).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def expire(self, limit: int = 1000) -> int:
+        return self._execute("job_expire", {"limit": limit}).rowcount
+
+    def promote_all(self, limit: int = 1000) -> int:
+        row = self._execute("job_promote_all", {"limit": limit,
+                                                "channel": self.settings.channel}).fetchone()
+        return int(row[0]) if row else 0
+
+    def prune(self) -> int:
+        return self._execute("job_prune", {"retention": self.settings.retention,
+                                           "limit": self.settings.prune_batch_size}).rowcount
+
+    # -- consumers -------------------------------------------------------------------------------
+
+    def register_consumer(self, consumer: uuid.UUID, queues: Sequence[str],
+                          lock_key: int | None) -> None:
+        self._execute("consumer_register", {
+            "id": consumer, "host": socket.gethostname(), "pid": os.getpid(),
+            "queues": list(queues), "lock_key": lock_key})
+
+    def heartbeat(self, consumer: uuid.UUID, queues: Sequence[str]) -> bool:
+        """Renew the lease; False when the consumer was declared gone (its jobs rescued)."""
+        return self._execute("consumer_heartbeat", {"id": consumer,
+                                                    "queues": list(queues)}).rowcount == 1
+
+    def unregister_consumer(self, consumer: uuid.UUID) -> None:
+        self._execute("consumer_unregister", {"id": consumer})
+
+
+def _split(deliveries: Iterable[tuple[uuid.UUID, int]]) -> tuple[list[uuid.UUID], list[int]]:
+    ids: list[uuid.UUID] = []
+    attempts: list[int] = []
+    for job_id, attempt in deliveries:
+        ids.append(job_id)
+        attempts.append(attempt)
+    return ids, attempts
+
+
+_migrated: set[tuple[str, str]] = set()
+_migrated_lock = threading.Lock()
+
+
+def ensure_migrated(conninfo: str, schema: str) -> None:
+    """Migrate once per process and (database, schema)."""
+    key = (conninfo, schema)
+    if key in _migrated:
+        return
+    with _migrated_lock:
+        if key not in _migrated:
+            run_migrations(conninfo, schema)
+            _migrated.add(key)

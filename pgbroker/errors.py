@@ -1,0 +1,48 @@
+"""The few exceptions pgbroker raises.
+
+::
+
+    PgBrokerError
+     ├── ConfigurationError (ValueError)     bad transport option, URL or schema name
+     ├── DatabaseUnavailable (ConnectionError) the database cannot be reached; Celery reconnects
+     ├── SchemaError                          schema missing, or migrated by a newer pgbroker
+     └── MessageError (ValueError)            a message refused at publish (size, name, header)
+          └── IdempotencyKeyRequired          a task configured to need a key was sent without one
+
+Driver errors are translated in :mod:`pgbroker._db` with ``__cause__`` kept.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PgBrokerError",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "SchemaError",
+    "MessageError",
+    "IdempotencyKeyRequired",
+]
+
+
+class PgBrokerError(Exception):
+    """Base class of every pgbroker error."""
+
+
+class ConfigurationError(PgBrokerError, ValueError):
+    """A transport option, URL or schema name is invalid."""
+
+
+class DatabaseUnavailable(PgBrokerError, ConnectionError):
+    """The database cannot be reached or the connection was lost."""
+
+
+class SchemaError(PgBrokerError):
+    """The pgbroker schema is missing or at a version this code does not know."""
+
+
+class MessageError(PgBrokerError, ValueError):
+    """A message cannot be accepted for publishing."""
+
+
+class IdempotencyKeyRequired(MessageError):
+    """The task is configured to require an idempotency key and none was given."""

@@ -1,0 +1,115 @@
+"""Schema migrations: numbered SQL files applied in one transaction under an advisory lock.
+
+``sql/migrations/NNNN_name.sql`` are applied in order and recorded in ``<schema>.migrations``.
+The lock makes concurrent first starts of many processes safe: one applies, the others wait and
+then find nothing to do. A schema migrated by a newer pgbroker is refused, not downgraded.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import psycopg
+
+from . import _db
+from .errors import SchemaError
+from .settings import Settings
+
+__all__ = ["migrate", "check", "MIGRATIONS", "latest_version"]
+
+logger = logging.getLogger(__name__)
+
+_FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def _load() -> tuple[Migration, ...]:
+    found = []
+    for entry in resources.files("pgbroker").joinpath("sql").joinpath("migrations").iterdir():
+        match = _FILE_RE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
+    found.sort(key=lambda m: m.version)
+    if [m.version for m in found] != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migrations are not numbered 1..n: {[m.version for m in found]}")
+    return tuple(found)
+
+
+MIGRATIONS = _load()
+
+
+def latest_version() -> int:
+    return MIGRATIONS[-1].version
+
+
+def _lock_key(schema: str) -> str:
+    return f"pgbroker.migrate.{schema}"
+
+
+def migrate(conninfo: str, schema: str = "pgbroker") -> list[int]:
+    """Apply the pending migrations to ``schema``; return the versions applied (maybe none)."""
+    Settings(schema=schema)  # validates the name
+    ident = f'"{schema}"'
+    conn = _db.connect(conninfo, autocommit=False, application_name="pgbroker migrate")
+    try:
+        with _db.translate_errors("migrating the pgbroker schema"), conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (_lock_key(schema),))
+            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {ident}")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {ident}.migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {row[0] for row in conn.execute(f"SELECT version FROM {ident}.migrations")}
+            _refuse_newer(done, schema)
+            applied = []
+            for m in MIGRATIONS:
+                if m.version in done:
+                    continue
+                logger.info("applying pgbroker migration %04d_%s to schema %s",
+                            m.version, m.name, schema)
+                conn.execute(m.sql.replace("{schema}", ident).encode())
+                conn.execute(f"INSERT INTO {ident}.migrations (version, name) VALUES (%s, %s)",
+                             (m.version, m.name))
+                applied.append(m.version)
+            return applied
+    finally:
+        _db.close(conn)
+
+
+def check(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Raise :class:`SchemaError` unless ``schema`` is migrated to exactly this version."""
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", (f'"{schema}".migrations',)
+    ).fetchone()
+    if not row or not row[0]:
+        raise SchemaError(
+            f"the pgbroker schema {schema!r} does not exist in this database: run "
+            f"`pgbroker migrate` (or enable the auto_migrate transport option)"
+        )
+    done = {r[0] for r in conn.execute(f'SELECT version FROM "{schema}".migrations')}
+    _refuse_newer(done, schema)
+    missing = [m.version for m in MIGRATIONS if m.version not in done]
+    if missing:
+        raise SchemaError(
+            f"the pgbroker schema {schema!r} lacks migrations {missing}: run `pgbroker migrate`"
+        )
+
+
+def _refuse_newer(done: set[int], schema: str) -> None:
+    newer = sorted(v for v in done if v > latest_version())
+    if newer:
+        raise SchemaError(
+            f"the pgbroker schema {schema!r} was migrated by a newer pgbroker (versions {newer}; "
+            f"this one knows up to {latest_version()}): upgrade pgbroker on this host"
+        )

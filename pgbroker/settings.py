@@ -1,0 +1,109 @@
+"""Transport options -> one frozen, validated :class:`Settings` object.
+
+Every option has a named default here; an unknown option is an error that names the closest
+known one, so a typo in ``broker_transport_options`` never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import ConfigurationError
+
+__all__ = ["Settings"]
+
+_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,47}$")
+
+# Options that kombu or Celery themselves read from transport_options; accepted and ignored here.
+_KOMBU_OPTIONS = frozenset({
+    "polling_interval", "body_encoding", "deadletter_queue", "max_retries", "interval_start",
+    "interval_step", "interval_max", "confirm_publish", "client_properties",
+    "fanout_prefix", "fanout_patterns", "visibility_timeout",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Validated pgbroker options (``broker_transport_options`` in Celery)."""
+
+    #: Schema holding pgbroker's tables; separate schemas isolate applications sharing a database.
+    schema: str = "pgbroker"
+    #: Apply pending migrations on first connect (under an advisory lock).
+    auto_migrate: bool = True
+    #: Deliveries a message may have before it goes ``dead`` (a per-message header overrides it).
+    max_attempts: int = 5
+    #: Seconds finished (completed/expired/cancelled) rows are kept; 0 deletes on ack.
+    retention: float = 86400.0
+    #: Seconds without a heartbeat after which a consumer is gone and its running jobs rescued.
+    lease_timeout: float = 20.0
+    #: Seconds between a consumer's heartbeats.
+    heartbeat_interval: float = 5.0
+    #: Seconds between sweeps (orphan rescue, expiry, promotion, pruning) in each consumer.
+    sweep_interval: float = 5.0
+    #: Seconds between claims when no notification arrives: the fallback for lost NOTIFYs.
+    poll_interval: float = 5.0
+    #: Upper bound of one claim's batch when the prefetch count is unlimited.
+    claim_batch_max: int = 100
+    #: Rows deleted per pruning statement.
+    prune_batch_size: int = 1000
+    #: Use session advisory locks to detect dead consumers at once (turn off behind PgBouncer
+    #: transaction pooling, where heartbeats alone are the guarantee).
+    use_advisory_locks: bool = True
+    #: Largest message body accepted at publish, in bytes (RabbitMQ's default is 16 MiB).
+    max_message_size: int = 16 * 1024 * 1024
+    #: Seconds to wait for a connection to the database.
+    connect_timeout: float = 10.0
+    #: Task names that must be sent with an idempotency key.
+    require_idempotency_key: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schema, str) or not _SCHEMA_RE.match(self.schema):
+            raise ConfigurationError(
+                f"schema {self.schema!r} is not a valid pgbroker schema name: use lower-case "
+                "letters, digits and underscores, at most 48 characters, not starting with a digit"
+            )
+        for name in ("max_attempts", "claim_batch_max", "prune_batch_size", "max_message_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
+        for name in ("retention", "lease_timeout", "heartbeat_interval", "sweep_interval",
+                     "poll_interval", "connect_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(f"{name} must be a number of seconds >= 0, not {value!r}")
+        if self.heartbeat_interval <= 0 or self.lease_timeout < 2 * self.heartbeat_interval:
+            raise ConfigurationError(
+                f"lease_timeout ({self.lease_timeout}) must be at least twice heartbeat_interval "
+                f"({self.heartbeat_interval}), or a living consumer could lose its jobs"
+            )
+
+    @property
+    def channel(self) -> str:
+        """The LISTEN/NOTIFY channel of this schema."""
+        return f"{self.schema}.jobs"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> Settings:
+        """Build settings from kombu transport options, refusing unknown ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in (options or {}).items():
+            if key in known:
+                values[key] = value
+            elif key not in _KOMBU_OPTIONS:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigurationError(f"unknown pgbroker transport option {key!r}{hint}")
+        if "require_idempotency_key" in values:
+            values["require_idempotency_key"] = _names(values["require_idempotency_key"])
+        return cls(**values)
+
+
+def _names(value: str | Iterable[str]) -> frozenset[str]:
+    if isinstance(value, str):
+        value = [value]
+    return frozenset(value)

@@ -1,0 +1,272 @@
+-- pgbroker's queries: named blocks, loaded once by pgbroker/_store.py.
+-- {schema} is the quoted schema name; every value is a bound parameter.
+
+-- name: job_insert
+-- One message. The NOTIFY goes out in the same transaction, so it is delivered only on commit,
+-- and only when a row was really inserted (a duplicate publish wakes nobody). Its payload is a
+-- wake-up, never the message: "<seconds until due> <queue>".
+WITH inserted AS (
+    INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
+                               content_type, content_encoding, headers, properties, state,
+                               priority, max_attempts, run_at, expires_at, idempotency_key)
+    VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+            %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
+            CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
+            %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
+            %(expires_at)s::timestamptz, %(idempotency_key)s)
+    ON CONFLICT DO NOTHING
+    RETURNING queue, run_at
+)
+SELECT pg_notify(%(channel)s,
+                 greatest(extract(epoch FROM run_at - now()), 0)::text || ' ' || queue)
+FROM inserted;
+
+-- name: job_insert_many
+-- Many messages in one statement (UNNEST of column arrays): one round trip per batch, and one
+-- NOTIFY per queue rather than per message (NOTIFY takes a global lock at commit).
+WITH inserted AS (
+    INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
+                               content_type, content_encoding, headers, properties, state,
+                               priority, max_attempts, run_at, expires_at, idempotency_key)
+    SELECT id, queue, task, task_id, retries, exchange, routing_key, body,
+           content_type, content_encoding, headers, properties,
+           CASE WHEN run_at > now() THEN 'scheduled' ELSE 'pending' END,
+           priority, max_attempts, COALESCE(run_at, now()), expires_at, idempotency_key
+    FROM unnest(%(id)s::uuid[], %(queue)s::text[], %(task)s::text[], %(task_id)s::text[],
+                %(retries)s::int[], %(exchange)s::text[], %(routing_key)s::text[],
+                %(body)s::bytea[], %(content_type)s::text[], %(content_encoding)s::text[],
+                %(headers)s::jsonb[], %(properties)s::jsonb[], %(priority)s::smallint[],
+                %(max_attempts)s::int[], %(run_at)s::timestamptz[], %(expires_at)s::timestamptz[],
+                %(idempotency_key)s::text[])
+         AS m(id, queue, task, task_id, retries, exchange, routing_key, body, content_type,
+              content_encoding, headers, properties, priority, max_attempts, run_at,
+              expires_at, idempotency_key)
+    ON CONFLICT DO NOTHING
+    RETURNING queue, run_at
+)
+SELECT pg_notify(%(channel)s, min_delay::text || ' ' || queue)
+FROM (SELECT queue, greatest(extract(epoch FROM min(run_at) - now()), 0) AS min_delay
+      FROM inserted GROUP BY queue) AS per_queue;
+
+-- name: job_claim
+-- Take up to %(limit)s due jobs of one queue for one consumer.
+WITH candidates AS MATERIALIZED (
+    -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
+    -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
+    -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
+    -- WHERE and the ORDER BY, so the cost is the batch, not the table.
+    SELECT id
+    FROM {schema}.jobs
+    WHERE state = 'pending' AND queue = %(queue)s
+    ORDER BY priority DESC, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j
+SET state = 'running',
+    attempts = j.attempts + 1,          -- an attempt is spent at claim: a job that kills its
+    locked_at = now(),                  -- worker has used it up, so a poison job cannot loop
+    locked_by = %(consumer)s,
+    updated_at = now()
+FROM candidates AS c
+WHERE j.id = c.id
+  -- an expired message is never delivered; it is marked 'expired' by the sweeper
+  AND (j.expires_at IS NULL OR j.expires_at > now())
+RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing_key, j.body,
+          j.content_type, j.content_encoding, j.headers, j.properties;
+
+-- name: job_ack
+-- Completion of deliveries, each identified by (id, attempt): a late ack of an older delivery of
+-- a job that was redelivered meanwhile matches no row and changes nothing.
+UPDATE {schema}.jobs AS j
+SET state = 'completed', locked_at = NULL, updated_at = now()
+FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
+
+-- name: job_ack_delete
+-- Retention 0: an acked delivery is deleted at once.
+DELETE FROM {schema}.jobs AS j
+USING unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
+
+-- name: job_requeue
+-- A delivery given back (reject with requeue, shutdown with prefetched messages, recover): the
+-- same row goes back to 'pending' -- never a re-insert, which an idempotency key would swallow.
+-- Out of attempts, it goes 'dead' instead of looping.
+WITH requeued AS (
+    UPDATE {schema}.jobs
+    SET state = CASE WHEN jobs.attempts >= jobs.max_attempts THEN 'dead' ELSE 'pending' END,
+        last_error = CASE WHEN jobs.attempts >= jobs.max_attempts
+                          THEN format('max attempts (%%s) reached; last: %%s', jobs.max_attempts,
+                                      coalesce(%(error)s::text, 'requeued by the consumer'))
+                          ELSE coalesce(%(error)s::text, jobs.last_error) END,
+        locked_at = NULL, locked_by = NULL, updated_at = now()
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    WHERE jobs.id = d.id AND jobs.attempts = d.attempt AND jobs.state = 'running'
+    RETURNING jobs.queue, jobs.state
+)
+SELECT pg_notify(%(channel)s, '0 ' || queue)
+FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q;
+
+-- name: job_bury
+-- A delivery that must not run again (reject without requeue, undecodable): 'dead', with why.
+UPDATE {schema}.jobs
+SET state = 'dead', last_error = %(error)s, locked_at = NULL, locked_by = NULL, updated_at = now()
+WHERE id = %(id)s AND attempts = %(attempt)s AND state = 'running';
+
+-- name: job_bury_row
+-- A row the transport could not turn into a message at all: 'dead' whatever its attempt.
+UPDATE {schema}.jobs
+SET state = 'dead', last_error = %(error)s, locked_at = NULL, locked_by = NULL, updated_at = now()
+WHERE id = %(id)s AND state = 'running';
+
+-- name: job_promote
+-- Scheduled jobs that are due become claimable. Several consumers may run this at once: SKIP
+-- LOCKED and the state test make it idempotent. Wakes the consumers of the promoted queues.
+WITH due AS MATERIALIZED (
+    SELECT id FROM {schema}.jobs
+    WHERE state = 'scheduled' AND queue = ANY(%(queues)s) AND run_at <= now()
+    ORDER BY queue, run_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), promoted AS (
+    UPDATE {schema}.jobs AS j SET state = 'pending', updated_at = now()
+    FROM due WHERE j.id = due.id AND j.state = 'scheduled'
+    RETURNING j.queue
+), woken AS (
+    SELECT pg_notify(%(channel)s, '0 ' || queue) FROM (SELECT DISTINCT queue FROM promoted) AS q
+)
+SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
+
+-- name: job_promote_all
+-- The sweeper's promotion, for every queue (plain kombu consumers have no timers).
+WITH due AS MATERIALIZED (
+    SELECT id FROM {schema}.jobs
+    WHERE state = 'scheduled' AND run_at <= now()
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), promoted AS (
+    UPDATE {schema}.jobs AS j SET state = 'pending', updated_at = now()
+    FROM due WHERE j.id = due.id AND j.state = 'scheduled'
+    RETURNING j.queue
+), woken AS (
+    SELECT pg_notify(%(channel)s, '0 ' || queue) FROM (SELECT DISTINCT queue FROM promoted) AS q
+)
+SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
+
+-- name: job_next_due
+-- Seconds until the earliest scheduled job of these queues is due (NULL: none). Measured by the
+-- database clock, the only clock pgbroker trusts.
+SELECT extract(epoch FROM min(run_at) - now())::float8
+FROM {schema}.jobs
+WHERE state = 'scheduled' AND queue = ANY(%(queues)s);
+
+-- name: job_expire
+-- Pending or scheduled messages past their expiry are never delivered: marked 'expired', so they
+-- stay visible for the retention window instead of vanishing.
+WITH gone AS MATERIALIZED (
+    SELECT id FROM {schema}.jobs
+    WHERE state IN ('pending', 'scheduled') AND expires_at IS NOT NULL AND expires_at <= now()
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j
+SET state = 'expired', last_error = 'expired before delivery', updated_at = now()
+FROM gone WHERE j.id = gone.id AND j.state IN ('pending', 'scheduled');
+
+-- name: job_rescue
+-- Running jobs whose consumer is gone go back to 'pending' (or 'dead' when out of attempts).
+-- A consumer is gone when its row is missing, its heartbeat is older than the lease, or (with
+-- advisory locks) the lock its session held is no longer held: its connection died.
+WITH gone AS MATERIALIZED (
+    SELECT c.id FROM {schema}.consumers AS c
+    WHERE c.heartbeat_at < now() - make_interval(secs => %(lease)s)
+       OR (c.lock_key IS NOT NULL AND NOT EXISTS (
+              SELECT 1 FROM pg_locks AS l
+              WHERE l.locktype = 'advisory' AND l.granted
+                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                AND l.classid = %(lock_class)s::oid AND l.objid = c.lock_key::oid
+                AND l.objsubid = 2))
+), orphans AS MATERIALIZED (
+    -- FOR UPDATE SKIP LOCKED with the state test: a job being acked right now is skipped, and
+    -- one that completed between the read and the write is re-checked and left alone.
+    SELECT j.id, j.attempts, j.locked_by FROM {schema}.jobs AS j
+    WHERE j.state = 'running'
+      AND (j.locked_by IN (SELECT id FROM gone)
+           OR NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c WHERE c.id = j.locked_by))
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), rescued AS (
+    UPDATE {schema}.jobs AS j
+    SET state = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
+        last_error = CASE WHEN j.attempts >= j.max_attempts
+                          THEN format('max attempts (%%s) reached: its consumer was lost '
+                                      '(worker killed or unreachable) during every attempt',
+                                      j.max_attempts)
+                          ELSE 'consumer lost while running; redelivered' END,
+        locked_at = NULL, locked_by = NULL, updated_at = now()
+    FROM orphans AS o
+    -- conditional on the very delivery that was found orphaned
+    WHERE j.id = o.id AND j.state = 'running' AND j.attempts = o.attempts
+      AND j.locked_by IS NOT DISTINCT FROM o.locked_by
+    RETURNING j.queue, j.state
+), forgotten AS (
+    DELETE FROM {schema}.consumers WHERE id IN (SELECT id FROM gone)
+    RETURNING id
+), woken AS (
+    SELECT pg_notify(%(channel)s, '0 ' || queue)
+    FROM (SELECT DISTINCT queue FROM rescued WHERE state = 'pending') AS q
+)
+SELECT (SELECT count(*) FROM rescued WHERE state = 'pending'),
+       (SELECT count(*) FROM rescued WHERE state = 'dead'),
+       (SELECT count(*) FROM forgotten),
+       (SELECT count(*) FROM woken);
+
+-- name: job_prune
+-- Finished rows past the retention window, oldest first, one small batch per statement so that
+-- pruning never holds many locks or a long transaction.
+DELETE FROM {schema}.jobs
+WHERE id IN (SELECT id FROM {schema}.jobs
+             WHERE state IN ('completed', 'cancelled', 'expired')
+               AND updated_at < now() - make_interval(secs => %(retention)s)
+             ORDER BY updated_at
+             LIMIT %(limit)s);
+
+-- name: queue_declare
+INSERT INTO {schema}.queues (name, arguments) VALUES (%(name)s, %(arguments)s)
+ON CONFLICT (name) DO UPDATE SET last_used_at = now();
+
+-- name: queue_exists
+SELECT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s)
+    OR EXISTS (SELECT 1 FROM {schema}.jobs WHERE queue = %(name)s AND state = 'pending');
+
+-- name: queue_size
+-- Messages ready or waiting: what kombu's queue_declare reports as message_count.
+SELECT count(*) FROM {schema}.jobs WHERE queue = %(name)s AND state IN ('pending', 'scheduled');
+
+-- name: queue_purge
+WITH purged AS (
+    DELETE FROM {schema}.jobs WHERE queue = %(name)s AND state IN ('pending', 'scheduled')
+    RETURNING 1
+)
+SELECT count(*) FROM purged;
+
+-- name: queue_delete
+WITH purged AS (
+    DELETE FROM {schema}.jobs WHERE queue = %(name)s AND state IN ('pending', 'scheduled')
+)
+DELETE FROM {schema}.queues WHERE name = %(name)s;
+
+-- name: queue_paused
+SELECT name FROM {schema}.queues WHERE name = ANY(%(names)s) AND paused;
+
+-- name: consumer_register
+INSERT INTO {schema}.consumers (id, host, pid, queues, lock_key)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(lock_key)s)
+ON CONFLICT (id) DO UPDATE SET queues = EXCLUDED.queues, heartbeat_at = now();
+
+-- name: consumer_heartbeat
+UPDATE {schema}.consumers SET heartbeat_at = now(), queues = %(queues)s WHERE id = %(id)s;
+
+-- name: consumer_unregister
+DELETE FROM {schema}.consumers WHERE id = %(id)s;

@@ -1,0 +1,71 @@
+"""The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning.
+
+``Sweeper.run_once()`` does one pass and returns what it changed; it runs inside every consuming
+worker (from its lease thread) and as ``pgbroker sweep``. Several sweepers at once are safe: every
+statement takes its rows with ``FOR UPDATE SKIP LOCKED`` and changes them only if they are still
+in the state it found them in.
+
+Limits, honestly: a job is rescued when its consumer's session advisory lock is gone (its
+connection died: seconds) or its heartbeat is older than ``lease_timeout`` (a frozen or cut-off
+worker). A worker that was only slow to heartbeat for longer than the lease will see its jobs run
+again elsewhere; its own late acks then change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+
+from ._store import Store
+
+__all__ = ["Sweeper", "SweepResult", "lock_class"]
+
+logger = logging.getLogger(__name__)
+
+
+def lock_class(schema: str) -> int:
+    """The first key of the consumers' advisory locks: one namespace per schema."""
+    return zlib.crc32(f"pgbroker.consumers.{schema}".encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What one pass changed."""
+
+    rescued: int = 0      # running jobs of lost consumers put back to pending
+    buried: int = 0       # ... or to dead, their attempts used up
+    consumers: int = 0    # lost consumers removed
+    expired: int = 0      # pending/scheduled jobs past expires_at
+    promoted: int = 0     # scheduled jobs that became due
+    pruned: int = 0       # finished rows past the retention window
+
+    def __bool__(self) -> bool:
+        return any(vars(self).values())
+
+
+class Sweeper:
+    """One pass of maintenance over a store's schema."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.lock_class = lock_class(store.settings.schema)
+
+    def run_once(self, prune_batches: int = 10) -> SweepResult:
+        """Do one pass; prune at most ``prune_batches`` batches so a pass stays short."""
+        rescued, buried, consumers = self.store.rescue(self.lock_class)
+        expired = self.store.expire()
+        promoted = self.store.promote_all()
+        pruned = 0
+        for _ in range(prune_batches):
+            n = self.store.prune()
+            pruned += n
+            if n < self.store.settings.prune_batch_size:
+                break
+        result = SweepResult(rescued, buried, consumers, expired, promoted, pruned)
+        if rescued or buried or consumers:
+            logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
+                           "%d consumer(s) removed", rescued, buried, consumers)
+        elif result:
+            logger.debug("pgbroker sweeper: %s", result)
+        return result

@@ -1,0 +1,578 @@
+"""pgbroker transport: kombu messages in a PostgreSQL table.
+
+Features
+========
+* Type: Virtual, asynchronous (the worker's event loop waits on LISTEN/NOTIFY; no busy polling)
+* Supports Direct: Yes
+* Supports Topic: Yes
+* Supports Fanout: No (remote control and worker events need it; see the README)
+* Supports Priority: Yes (AMQP direction: 0-255, higher runs first)
+* Supports TTL: Yes (Celery ``expires`` and the per-message ``expiration`` property)
+* Supports ETA: Yes (``eta``/``countdown`` wait in the database as ``scheduled`` until due)
+
+Connection String
+=================
+.. code-block::
+
+    pgbroker://USER:PASSWORD@HOST:PORT/DBNAME?libpq_option=value
+    pgbroker+postgresql://USER:PASSWORD@HOST:PORT/DBNAME   (any libpq URL after the '+')
+
+Transport Options
+=================
+See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_attempts``,
+``retention``, ``lease_timeout``, ``heartbeat_interval``, ``sweep_interval``, ``poll_interval``,
+``claim_batch_max``, ``prune_batch_size``, ``use_advisory_locks``, ``max_message_size``,
+``connect_timeout``, ``require_idempotency_key``. Unknown options are an error.
+
+This module is glue: every statement is in :mod:`pgbroker._store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import uuid
+from datetime import datetime, timedelta, timezone
+from time import monotonic
+from typing import Any
+
+import psycopg
+import uuid6
+from kombu.exceptions import ChannelError
+from kombu.transport import virtual
+from kombu.utils.objects import cached_property
+
+from . import _db
+from ._lease import Lease
+from ._store import JobRow, NewJob, Store
+from .errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
+from .settings import Settings
+
+__all__ = ["Transport", "Channel", "QoS", "Message", "validate_queue_name"]
+
+logger = logging.getLogger(__name__)
+
+#: Longest queue, exchange or routing key name accepted (Celery's reply queues are ~55 characters).
+MAX_NAME_LENGTH = 1000
+
+_DROPPED_PROPERTIES = ("delivery_info", "delivery_tag")
+
+
+def validate_queue_name(name: Any, what: str = "queue") -> str:
+    """Refuse names PostgreSQL cannot store or that are absurd; every other string is data."""
+    if not isinstance(name, str) or not name:
+        raise MessageError(f"{what} name must be a non-empty string, not {name!r}")
+    if "\x00" in name:
+        raise MessageError(f"{what} name {name!r} contains a NUL byte")
+    if len(name) > MAX_NAME_LENGTH:
+        raise MessageError(f"{what} name is {len(name)} characters long; the limit is "
+                           f"{MAX_NAME_LENGTH}")
+    return name
+
+
+def _delivery_tag(job_id: uuid.UUID, attempt: int) -> str:
+    return f"{job_id}/{attempt}"
+
+
+def _parse_tag(tag: str) -> tuple[uuid.UUID, int]:
+    job_id, _, attempt = tag.rpartition("/")
+    return uuid.UUID(job_id), int(attempt)
+
+
+def _timestamp(value: Any, what: str) -> datetime | None:
+    """A Celery ``eta``/``expires`` header (ISO 8601 text or datetime) as an aware datetime."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise MessageError(f"the {what} header {value!r} is not an ISO 8601 time") from None
+    if not isinstance(value, datetime):
+        raise MessageError(f"the {what} header must be an ISO 8601 time, not {value!r}")
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+class Message(virtual.Message):
+    """A delivered message that remembers why it could not be decoded.
+
+    Celery acks a message whose body it cannot decode (so it does not loop). The transport
+    turns that ack into ``dead`` with the reason instead: nothing is silently dropped.
+    """
+
+    def decode(self) -> Any:
+        try:
+            return super().decode()
+        except Exception as exc:
+            self.channel._undecodable[self.delivery_tag] = (
+                f"undecodable message ({self.content_type!r}, {self.content_encoding!r}): "
+                f"{type(exc).__name__}: {exc}")
+            raise
+
+
+class QoS(virtual.QoS):
+    """Acks, rejects and restores are UPDATEs of the delivery's row (never re-inserts)."""
+
+    def __init__(self, channel: Channel, prefetch_count: int = 0):
+        super().__init__(channel, prefetch_count)
+        self._pid = os.getpid()
+
+    def ack(self, delivery_tag: str) -> None:
+        channel: Channel = self.channel
+        reason = channel._undecodable.pop(delivery_tag, None)
+        job_id, attempt = _parse_tag(delivery_tag)
+        if reason is not None:
+            channel.store.bury(job_id, attempt, reason)
+        else:
+            channel.store.ack([(job_id, attempt)])
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        channel: Channel = self.channel
+        reason = channel._undecodable.pop(delivery_tag, None)
+        job_id, attempt = _parse_tag(delivery_tag)
+        if requeue and reason is None:
+            channel.store.requeue([(job_id, attempt)])
+        else:
+            channel.store.bury(job_id, attempt,
+                               reason or "rejected by the consumer without requeue")
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Give every unacked delivery back in one statement (warm shutdown, recover)."""
+        if os.getpid() != self._pid:  # a forked child must never touch the parent's deliveries
+            self._delivered.clear()
+            return []
+        self._flush()
+        tags = list(self._delivered)
+        self._delivered.clear()
+        if not tags:
+            return []
+        try:
+            self.channel.store.requeue([_parse_tag(t) for t in tags], "restored unacked")
+        except Exception as exc:  # noqa: BLE001 - the sweeper rescues them after the lease
+            logger.warning("pgbroker: could not requeue %d unacked message(s): %s; they are "
+                           "redelivered once this consumer's lease expires", len(tags), exc)
+        return []
+
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        if os.getpid() != self._pid:
+            self._on_collect.cancel()
+            return
+        super().restore_unacked_once(stderr)
+
+
+class Channel(virtual.Channel):
+    """A kombu channel over the ``jobs`` table."""
+
+    QoS = QoS
+    Message = Message
+    body_encoding = None  # the body is stored as bytes; no base64 detour
+    default_priority = 0
+    min_priority = 0
+    max_priority = 255
+
+    def __init__(self, connection: Transport, **kwargs: Any):
+        super().__init__(connection, **kwargs)
+        self.transport: Transport = connection
+        self.store: Store = connection.store
+        self.settings: Settings = connection.settings
+        self._undecodable: dict[str, str] = {}
+        self._more = True          # a claim may find something
+        self._rotation = 0         # fairness between queues
+        self._declared: set[str] = set()
+
+    # -- queues ----------------------------------------------------------------------------------
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        validate_queue_name(queue)
+        if queue not in self._declared:
+            self.store.declare_queue(queue, kwargs.get("arguments") or {})
+            self._declared.add(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.store.queue_exists(validate_queue_name(queue))
+
+    def _size(self, queue: str) -> int:
+        return self.store.queue_size(queue)
+
+    def _purge(self, queue: str) -> int:
+        return self.store.purge(validate_queue_name(queue))
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.store.delete_queue(queue)
+        self._declared.discard(queue)
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self.store.insert(self.new_job(queue, message))
+
+    def new_job(self, queue: str, message: dict[str, Any]) -> NewJob:
+        """The row for a kombu message (as ``basic_publish`` prepared it) bound for ``queue``."""
+        validate_queue_name(queue)
+        body = message.get("body")
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        elif body is None:
+            body = b""
+        elif not isinstance(body, (bytes, bytearray, memoryview)):
+            raise MessageError(f"message body must be bytes or str, not {type(body).__name__}")
+        if len(body) > self.settings.max_message_size:
+            raise MessageError(
+                f"message body is {len(body)} bytes; the limit (max_message_size) is "
+                f"{self.settings.max_message_size}")
+        headers = message.get("headers") or {}
+        properties = dict(message.get("properties") or {})
+        if not isinstance(headers, dict):
+            raise MessageError(f"message headers must be a dict, not {type(headers).__name__}")
+        info = properties.get("delivery_info") or {}
+        for key in _DROPPED_PROPERTIES:
+            properties.pop(key, None)
+        task = headers.get("task")
+        key = headers.get("idempotency_key")
+        if key is None and task in self.settings.require_idempotency_key:
+            raise IdempotencyKeyRequired(
+                f"task {task!r} requires an idempotency key: pass "
+                "headers={'idempotency_key': ...} or use pgbroker.enqueue(..., idempotency_key=)")
+        expires_at = _timestamp(headers.get("expires"), "expires")
+        expiration = properties.get("expiration")
+        if expiration is not None:  # AMQP per-message TTL, in milliseconds
+            try:
+                ttl_at = datetime.now(timezone.utc) + timedelta(milliseconds=float(expiration))
+            except (TypeError, ValueError):
+                raise MessageError(f"expiration {expiration!r} is not milliseconds") from None
+            expires_at = min(expires_at, ttl_at) if expires_at else ttl_at
+        max_attempts = headers.get("max_attempts", self.settings.max_attempts)
+        if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+            raise MessageError(f"max_attempts header must be a positive integer, "
+                               f"not {max_attempts!r}")
+        retries = headers.get("retries") or 0
+        return NewJob(
+            id=uuid6.uuid7(),
+            queue=queue,
+            body=bytes(body),
+            content_type=message.get("content-type"),
+            content_encoding=message.get("content-encoding"),
+            headers=headers,
+            properties=properties,
+            exchange=info.get("exchange") or "",
+            routing_key=info.get("routing_key") or "",
+            task=task if isinstance(task, str) else None,
+            task_id=str(headers["id"]) if headers.get("id") is not None else None,
+            retries=retries if isinstance(retries, int) else 0,
+            priority=self._get_message_priority(message),
+            max_attempts=max_attempts,
+            run_at=_timestamp(headers.get("eta"), "eta"),
+            expires_at=expires_at,
+            idempotency_key=None if key is None else str(key),
+        )
+
+    # -- consume ---------------------------------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
+                      **kwargs: Any) -> str:
+        validate_queue_name(queue)
+        self.transport.lease.ensure()
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self._more = True
+        self.transport.schedule_due(self.store.next_due([queue]))
+        return result
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        """``basic_get``: claim one message now, or raise Empty."""
+        validate_queue_name(queue)
+        consumer = self.transport.lease.ensure()
+        self.store.promote([queue])
+        for row in self.store.claim(queue, 1, consumer):
+            payload = self._payload(row)
+            if payload is not None:
+                return payload
+        raise virtual.Empty()
+
+    def claim_and_deliver(self) -> int:
+        """Claim what the free prefetch slots allow and hand it to the consumers."""
+        queues = self._active_queues
+        if not queues or not self.qos.can_consume():
+            return 0
+        limit = self.qos.can_consume_max_estimate() or self.settings.claim_batch_max
+        consumer = self.transport.lease.ensure()
+        self._rotation = (self._rotation + 1) % len(queues)
+        ordered = queues[self._rotation:] + queues[:self._rotation]
+        delivered = 0
+        full = False
+        for queue in ordered:
+            want = limit - delivered
+            rows = self.store.claim(queue, want, consumer)
+            full = full or len(rows) >= want
+            for row in rows:
+                payload = self._payload(row)
+                if payload is not None:
+                    self.connection._deliver(payload, row.queue)
+                    delivered += 1
+            if delivered >= limit:
+                break
+        # A full batch means more may be waiting; otherwise wait for a NOTIFY, a due timer or
+        # the poll fallback.
+        self._more = full
+        return delivered
+
+    def _payload(self, row: JobRow) -> dict[str, Any] | None:
+        """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""
+        try:
+            properties = dict(row.properties)
+            if not isinstance(row.headers, dict):
+                raise TypeError(f"headers are {type(row.headers).__name__}, not an object")
+            properties["delivery_tag"] = _delivery_tag(row.id, row.attempt)
+            properties["priority"] = row.priority
+            properties["delivery_info"] = {
+                "exchange": row.exchange,
+                "routing_key": row.routing_key,
+                "priority": row.priority,
+                "redelivered": row.attempt > 1,
+                "pgbroker_job_id": str(row.id),
+                "pgbroker_attempt": row.attempt,
+            }
+            return {
+                "body": bytes(row.body),
+                "content-type": row.content_type,
+                "content-encoding": row.content_encoding,
+                "headers": row.headers,
+                "properties": properties,
+            }
+        except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer
+            logger.error("pgbroker: job %s is malformed and goes dead: %s", row.id, exc)
+            self.store.bury(row.id, row.attempt, f"malformed job row: {type(exc).__name__}: {exc}")
+            return None
+
+    def basic_recover(self, requeue: bool = False) -> Any:
+        if not requeue:
+            raise NotImplementedError("pgbroker supports basic_recover(requeue=True) only")
+        return self.qos.restore_unacked()
+
+    def close(self) -> None:
+        super().close()
+        self._undecodable.clear()
+
+
+class Transport(virtual.Transport):
+    """kombu transport over PostgreSQL (see the module docstring)."""
+
+    Channel = Channel
+
+    can_parse_url = True
+    default_port = 5432
+    driver_type = "postgresql"
+    driver_name = "psycopg"
+    polling_interval = None  # drain_events below waits on LISTEN, never sleeps blindly
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True,
+        exchange_type=frozenset(["direct", "topic"]),
+        heartbeats=False,
+    )
+
+    connection_errors = virtual.Transport.connection_errors + _db.CONNECTION_ERRORS
+    channel_errors = virtual.Transport.channel_errors + (ChannelError,)
+
+    def __init__(self, client: Any, **kwargs: Any):
+        super().__init__(client, **kwargs)
+        self.settings = Settings.from_options(client.transport_options)
+        self.conninfo = self._conninfo(client)
+        self.store = Store(self.conninfo, self.settings)
+        self._listener: psycopg.Connection[Any] | None = None
+        self._loop: Any = None
+        self._timers: list[Any] = []
+        self._due_entry: Any = None
+        self._due_at: float | None = None
+        self._last_poll = monotonic()
+
+    @staticmethod
+    def _conninfo(client: Any) -> str:
+        hostname = client.hostname or "localhost"
+        if "://" in hostname:
+            return _db.libpq_url(hostname)
+        if "=" in hostname:  # a key=value conninfo string
+            return hostname
+        return psycopg.conninfo.make_conninfo(
+            host=hostname, port=client.port or 5432, user=client.userid or None,
+            password=client.password or None, dbname=client.virtual_host or None)
+
+    @cached_property
+    def lease(self) -> Lease:
+        return Lease(self.store, self._consumed_queues)
+
+    def _consumed_queues(self) -> list[str]:
+        return sorted({q for ch in self.channels for q in ch._active_queues})
+
+    def driver_version(self) -> str:
+        return psycopg.__version__
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        return uri if include_password else _db.mask_password(uri, mask)
+
+    # -- connection ------------------------------------------------------------------------------
+
+    def establish_connection(self) -> Transport:
+        self.store.connect()  # really connects: a dead database is an error now, not later
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)  # restores unacked deliveries first
+        finally:
+            self._unregister_loop()
+            if "lease" in self.__dict__:
+                self.lease.close()
+            _db.close(self._listener)
+            self._listener = None
+            self.store.close()
+
+    def _listen(self) -> psycopg.Connection[Any]:
+        if not _db.owned(self._listener):
+            conn = _db.connect(self.conninfo, connect_timeout=self.settings.connect_timeout,
+                               application_name="pgbroker listen")
+            with _db.translate_errors("LISTEN"):
+                conn.execute(f'LISTEN "{self.settings.channel}"')
+            self._listener = conn
+        assert self._listener is not None
+        return self._listener
+
+    def _read_notifications(self) -> None:
+        """Drain pending NOTIFYs: mark the channels consuming those queues, arm due timers."""
+        pgconn = self._listen().pgconn
+        with _db.translate_errors("reading notifications"):
+            pgconn.consume_input()
+            if pgconn.status != psycopg.pq.ConnStatus.OK:
+                raise DatabaseUnavailable("the LISTEN connection was closed by the server")
+        while (note := pgconn.notifies()) is not None:
+            delay_text, _, queue = note.extra.decode("utf-8", "replace").partition(" ")
+            try:
+                delay = float(delay_text)
+            except ValueError:
+                continue
+            for channel in self.channels:
+                if queue in channel._active_queues:
+                    if delay <= 0:
+                        channel._more = True
+                    else:
+                        self.schedule_due(delay)
+
+    # -- due timers (scheduled jobs) -------------------------------------------------------------
+
+    def schedule_due(self, delay: float | None) -> None:
+        """Wake up in ``delay`` seconds to promote scheduled jobs (earliest wins)."""
+        if delay is None:
+            return
+        at = monotonic() + max(delay, 0.0)
+        if self._due_at is not None and self._due_at <= at:
+            return
+        self._due_at = at
+        if self._loop is not None:
+            if self._due_entry is not None:
+                self._due_entry.cancel()
+            self._due_entry = self._loop.call_later(max(delay, 0.0), self._on_due)
+
+    def _on_due(self) -> None:
+        self._due_at = None
+        self._due_entry = None
+        queues = self._consumed_queues()
+        if not queues:
+            return
+        if self.store.promote(queues):
+            for channel in self.channels:
+                channel._more = True
+        self.schedule_due(self._next_due_after_promote(queues))
+
+    def _next_due_after_promote(self, queues: list[str]) -> float | None:
+        delay = self.store.next_due(queues)
+        # a due time already reached but not promoted (LIMIT, or a race): try again shortly
+        return None if delay is None else max(delay, 0.005)
+
+    def _poll(self) -> None:
+        """The fallback for lost notifications: claim anyway, and check due jobs."""
+        self._last_poll = monotonic()
+        for channel in self.channels:
+            channel._more = True
+        if self._consumed_queues():
+            self._on_due()
+
+    # -- the event loop (Celery worker) ----------------------------------------------------------
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        self._unregister_loop()
+        self._loop = loop
+        listener = self._listen()
+        loop.add_reader(listener.fileno(), self._on_readable)
+        loop.on_tick.add(self._on_tick)
+        self._timers = [loop.call_repeatedly(self.settings.poll_interval, self._poll)]
+        if self._due_at is not None:
+            delay, self._due_at = self._due_at - monotonic(), None
+            self.schedule_due(delay)
+
+    def _unregister_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        loop.on_tick.discard(self._on_tick)
+        for entry in self._timers + [self._due_entry]:
+            if entry is not None:
+                entry.cancel()
+        self._timers, self._due_entry, self._due_at = [], None, None
+        if self._listener is not None and not self._listener.closed:
+            try:
+                loop.remove_reader(self._listener.fileno())
+            except Exception:  # noqa: BLE001 - the hub may already be reset
+                pass
+
+    def _on_readable(self) -> None:
+        self._read_notifications()
+        self._on_tick()
+
+    def _on_tick(self) -> None:
+        for channel in self.channels:
+            if channel._more and channel._active_queues:
+                channel.claim_and_deliver()
+
+    # -- the synchronous path (plain kombu consumers, celery inspect clients) --------------------
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            delivered = 0
+            for channel in list(self.channels):
+                if channel._more and channel._active_queues:
+                    delivered += channel.claim_and_deliver()
+            if delivered:
+                return
+            now = monotonic()
+            if self._due_at is not None and now >= self._due_at:
+                self._on_due()
+                continue
+            if now - self._last_poll >= self.settings.poll_interval:
+                self._poll()
+                continue
+            wait = self._last_poll + self.settings.poll_interval - now
+            if self._due_at is not None:
+                wait = min(wait, self._due_at - now)
+            if deadline is not None:
+                if now >= deadline:
+                    raise socket.timeout()
+                wait = min(wait, deadline - now)
+            listener = self._listen()
+            readable, _, _ = select.select([listener.fileno()], [], [], max(wait, 0))
+            if readable:
+                self._read_notifications()
+
+    def verify_connection(self, connection: Any) -> bool:
+        return self.store.conn is not None
+
+
+def _register() -> None:
+    """Register the ``pgbroker`` URL scheme with kombu (done by ``import pgbroker``)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.setdefault("pgbroker", "pgbroker.transport:Transport")
+
