@@ -38,11 +38,22 @@ _BLOCK_RE = re.compile(r"^-- name: (\w+)\s*$", re.M)
 
 @cache
 def queries(schema: str) -> dict[str, str]:
-    """The named queries of ``sql/queries.sql`` for ``schema`` (validated by Settings)."""
-    text = resources.files("pgbroker").joinpath("sql").joinpath("queries.sql").read_text("utf-8")
-    parts = _BLOCK_RE.split(text)[1:]
-    return {name: body.replace("{schema}", f'"{schema}"').strip()
-            for name, body in zip(parts[::2], parts[1::2])}
+    """The named queries of every ``sql/*.sql`` file, for ``schema`` (validated by Settings).
+
+    Each feature keeps its statements in a file of its own (``queries.sql`` is the core);
+    a name defined twice is an error.
+    """
+    found: dict[str, str] = {}
+    folder = resources.files("pgbroker").joinpath("sql")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        parts = _BLOCK_RE.split(entry.read_text("utf-8"))[1:]
+        for name, body in zip(parts[::2], parts[1::2]):
+            if name in found:
+                raise RuntimeError(f"query {name!r} is defined twice (in {entry.name})")
+            found[name] = body.replace("{schema}", f'"{schema}"').strip()
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,101 @@
+"""The Celery app the end-to-end and chaos tests run in real ``celery worker`` processes.
+
+Every task records each run in ``public.runs`` of the test database, so a test can count runs
+(duplicates, losses) with SQL instead of trusting the worker's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psycopg
+from celery import Celery
+
+import pgbroker  # noqa: F401 - registers pgbroker://
+from pgbroker._localdb import normalize_url
+
+BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127.0.0.1/postgres")
+DB_URL = normalize_url(BROKER_URL)
+
+app = Celery("e2eapp", broker=BROKER_URL)
+app.conf.update(
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options=json.loads(os.environ.get("PGBROKER_TEST_TRANSPORT_OPTIONS", "{}")),
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+)
+
+RUNS_DDL = """
+CREATE TABLE IF NOT EXISTS public.runs (
+    n serial PRIMARY KEY,
+    task text NOT NULL,
+    key text NOT NULL,
+    pid integer NOT NULL,
+    retries integer NOT NULL DEFAULT 0,
+    redelivered boolean,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+_conn: tuple[int, psycopg.Connection] | None = None
+
+
+def _db() -> psycopg.Connection:
+    global _conn
+    if _conn is None or _conn[0] != os.getpid() or _conn[1].closed:
+        _conn = (os.getpid(), psycopg.connect(DB_URL, autocommit=True))
+    return _conn[1]
+
+
+def record(task, key: str) -> None:
+    req = task.request
+    _db().execute(
+        "INSERT INTO public.runs (task, key, pid, retries, redelivered) VALUES (%s, %s, %s, %s, %s)",
+        (task.name.rsplit(".", 1)[-1], key, os.getpid(), req.retries or 0,
+         (req.delivery_info or {}).get("redelivered")),
+    )
+
+
+@app.task(bind=True)
+def touch(self, key: str) -> str:
+    record(self, key)
+    return key
+
+
+@app.task(bind=True)
+def add(self, x: int, y: int) -> int:
+    record(self, f"add:{x}:{y}")
+    return x + y
+
+
+@app.task(bind=True)
+def nap(self, key: str, seconds: float) -> str:
+    record(self, key)
+    time.sleep(seconds)
+    record(self, key + ":done")
+    return key
+
+
+@app.task(bind=True)
+def suicide(self, key: str) -> None:
+    """A poison task: kills the pool process running it, every time."""
+    record(self, key)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Transient(Exception):
+    pass
+
+
+@app.task(bind=True, autoretry_for=(Transient,), retry_backoff=1, retry_jitter=True,
+          max_retries=5)
+def flaky(self, key: str, failures: int) -> str:
+    record(self, key)
+    if self.request.retries < failures:
+        raise Transient(f"attempt {self.request.retries} fails on purpose")
+    return key
