@@ -16,6 +16,7 @@ from .errors import (
 )
 from .migrate import migrate
 from .settings import Settings
+from . import _failures
 from .transport import _register
 
 __all__ = [
@@ -32,3 +33,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 _register()
+_failures.connect()

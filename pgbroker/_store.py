@@ -213,6 +213,11 @@ class Store:
         return self._execute("job_bury", {"id": job_id, "attempt": attempt,
                                           "error": error}).rowcount
 
+    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None) -> int:
+        """Record that the task of this delivery raised (before its ack)."""
+        return self._execute("job_fail", {"id": job_id, "attempt": attempt, "error": error,
+                                          "traceback": traceback}).rowcount
+
     # -- queues ----------------------------------------------------------------------------------
 
     def declare_queue(self, name: str, arguments: dict[str, Any] | None = None) -> None:

@@ -59,6 +59,9 @@ MAX_NAME_LENGTH = 1000
 
 _DROPPED_PROPERTIES = ("delivery_info", "delivery_tag")
 
+#: Header carrying "<job id>/<attempt>" to the task (and so to the failure hook).
+DELIVERY_HEADER = "pgbroker_delivery"
+
 
 def validate_queue_name(name: Any, what: str = "queue") -> str:
     """Refuse names PostgreSQL cannot store or that are absurd; every other string is data."""
@@ -76,7 +79,8 @@ def _delivery_tag(job_id: uuid.UUID, attempt: int) -> str:
     return f"{job_id}/{attempt}"
 
 
-def _parse_tag(tag: str) -> tuple[uuid.UUID, int]:
+def parse_delivery_tag(tag: str) -> tuple[uuid.UUID, int]:
+    """``"<job id>/<attempt>"`` -> (job id, attempt)."""
     job_id, _, attempt = tag.rpartition("/")
     return uuid.UUID(job_id), int(attempt)
 
@@ -122,7 +126,7 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         channel: Channel = self.channel
         reason = channel._undecodable.pop(delivery_tag, None)
-        job_id, attempt = _parse_tag(delivery_tag)
+        job_id, attempt = parse_delivery_tag(delivery_tag)
         if reason is not None:
             channel.store.bury(job_id, attempt, reason)
         else:
@@ -132,7 +136,7 @@ class QoS(virtual.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         channel: Channel = self.channel
         reason = channel._undecodable.pop(delivery_tag, None)
-        job_id, attempt = _parse_tag(delivery_tag)
+        job_id, attempt = parse_delivery_tag(delivery_tag)
         if requeue and reason is None:
             channel.store.requeue([(job_id, attempt)])
         else:
@@ -151,7 +155,7 @@ class QoS(virtual.QoS):
         if not tags:
             return []
         try:
-            self.channel.store.requeue([_parse_tag(t) for t in tags], "restored unacked")
+            self.channel.store.requeue([parse_delivery_tag(t) for t in tags], "restored unacked")
         except Exception as exc:  # noqa: BLE001 - the sweeper rescues them after the lease
             logger.warning("pgbroker: could not requeue %d unacked message(s): %s; they are "
                            "redelivered once this consumer's lease expires", len(tags), exc)
@@ -225,6 +229,8 @@ class Channel(virtual.Channel):
                 f"message body is {len(body)} bytes; the limit (max_message_size) is "
                 f"{self.settings.max_message_size}")
         headers = message.get("headers") or {}
+        if DELIVERY_HEADER in headers:  # a retry's copy of its original's delivery: not ours
+            headers = {k: v for k, v in headers.items() if k != DELIVERY_HEADER}
         properties = dict(message.get("properties") or {})
         if not isinstance(headers, dict):
             raise MessageError(f"message headers must be a dict, not {type(headers).__name__}")
@@ -232,8 +238,11 @@ class Channel(virtual.Channel):
         for key in _DROPPED_PROPERTIES:
             properties.pop(key, None)
         task = headers.get("task")
-        key = headers.get("idempotency_key")
-        if key is None and task in self.settings.require_idempotency_key:
+        retries = headers.get("retries") or 0
+        # A retry (Celery copies custom headers into it) continues its job; it is no new
+        # enqueue, so its key must not make the unique index swallow it.
+        key = headers.get("idempotency_key") if not retries else None
+        if key is None and not retries and task in self.settings.require_idempotency_key:
             raise IdempotencyKeyRequired(
                 f"task {task!r} requires an idempotency key: pass "
                 "headers={'idempotency_key': ...} or use pgbroker.enqueue(..., idempotency_key=)")
@@ -249,7 +258,6 @@ class Channel(virtual.Channel):
         if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
             raise MessageError(f"max_attempts header must be a positive integer, "
                                f"not {max_attempts!r}")
-        retries = headers.get("retries") or 0
         return NewJob(
             id=uuid6.uuid7(),
             queue=queue,
@@ -335,11 +343,14 @@ class Channel(virtual.Channel):
                 "pgbroker_job_id": str(row.id),
                 "pgbroker_attempt": row.attempt,
             }
+            # The delivery's identity travels in a header too: Celery hands the task only a
+            # filtered delivery_info, and the failure hook (pgbroker._failures) needs it.
+            headers = {**row.headers, DELIVERY_HEADER: properties["delivery_tag"]}
             return {
                 "body": bytes(row.body),
                 "content-type": row.content_type,
                 "content-encoding": row.content_encoding,
-                "headers": row.headers,
+                "headers": headers,
                 "properties": properties,
             }
         except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer

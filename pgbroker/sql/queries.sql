@@ -58,6 +58,8 @@ WITH candidates AS MATERIALIZED (
     SELECT id
     FROM {schema}.jobs
     WHERE state = 'pending' AND queue = %(queue)s
+      -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -77,17 +79,41 @@ RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing
 
 -- name: job_ack
 -- Completion of deliveries, each identified by (id, attempt): a late ack of an older delivery of
--- a job that was redelivered meanwhile matches no row and changes nothing.
+-- a job that was redelivered meanwhile matches no row and changes nothing. Celery acks a task
+-- that raised (task_acks_on_failure_or_timeout): the failure hook recorded that attempt in
+-- failed_attempt, so it ends 'dead' with its error -- a dead letter, not a silent 'completed'.
 UPDATE {schema}.jobs AS j
-SET state = 'completed', locked_at = NULL, updated_at = now()
+SET state = CASE WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
+    locked_at = NULL, updated_at = now()
 FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
 WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
 
 -- name: job_ack_delete
--- Retention 0: an acked delivery is deleted at once.
-DELETE FROM {schema}.jobs AS j
-USING unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
+-- Retention 0: an acked delivery is deleted at once -- unless its task failed (kept, 'dead').
+WITH deleted AS (
+    DELETE FROM {schema}.jobs AS j
+    USING unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
+      AND j.failed_attempt IS DISTINCT FROM j.attempts
+    RETURNING j.id
+), failed AS (
+    UPDATE {schema}.jobs AS j SET state = 'dead', locked_at = NULL, updated_at = now()
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
+      AND j.failed_attempt = j.attempts
+    RETURNING j.id
+)
+SELECT (SELECT count(*) FROM deleted) + (SELECT count(*) FROM failed);
+
+-- name: job_fail
+-- The task of this delivery raised (recorded from the worker process that ran it, before the
+-- ack): its error and traceback, and which attempt failed.
+UPDATE {schema}.jobs
+SET last_error = %(error)s, last_traceback = %(traceback)s, failed_attempt = attempts,
+    -- acked on receipt (acks_late off), the row is already 'completed': it failed after all
+    state = CASE WHEN state = 'completed' THEN 'dead' ELSE state END,
+    updated_at = now()
+WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed');
 
 -- name: job_requeue
 -- A delivery given back (reject with requeue, shutdown with prefetched messages, recover): the
@@ -109,9 +135,12 @@ SELECT pg_notify(%(channel)s, '0 ' || queue)
 FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q;
 
 -- name: job_bury
--- A delivery that must not run again (reject without requeue, undecodable): 'dead', with why.
+-- A delivery that must not run again (reject without requeue, undecodable): 'dead', with why --
+-- the task's own error when this attempt raised, else the transport's reason.
 UPDATE {schema}.jobs
-SET state = 'dead', last_error = %(error)s, locked_at = NULL, locked_by = NULL, updated_at = now()
+SET state = 'dead',
+    last_error = CASE WHEN failed_attempt = attempts THEN last_error ELSE %(error)s END,
+    locked_at = NULL, locked_by = NULL, updated_at = now()
 WHERE id = %(id)s AND attempts = %(attempt)s AND state = 'running';
 
 -- name: job_bury_row

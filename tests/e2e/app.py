@@ -99,3 +99,10 @@ def flaky(self, key: str, failures: int) -> str:
     if self.request.retries < failures:
         raise Transient(f"attempt {self.request.retries} fails on purpose")
     return key
+
+
+@app.task(bind=True)
+def boom(self, key: str) -> None:
+    """Always raises: a final failure."""
+    record(self, key)
+    raise ValueError(f"boom {key}")

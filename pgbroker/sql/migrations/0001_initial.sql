@@ -25,7 +25,9 @@ CREATE TABLE {schema}.jobs (
     expires_at       timestamptz,
     locked_at        timestamptz,
     locked_by        uuid,                                 -- consumers.id
-    last_error       text,
+    last_error       text,                                 -- why the last attempt failed
+    last_traceback   text,
+    failed_attempt   integer,                              -- the attempt whose task raised
     idempotency_key  text,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),

@@ -1,0 +1,65 @@
+"""Record a task's failure in its job row, from the worker process that ran it.
+
+Celery acks a task that raised (``task_acks_on_failure_or_timeout``, on by default): to the broker
+that ack looks like a success. Connected to ``task_failure`` when pgbroker is imported, this hook
+writes the error and traceback into the delivery's row first (matched by job id *and* attempt),
+and the ack of a failed attempt then ends the job ``dead``: a final failure is a dead letter that
+an operator sees and can retry, not a silent ``completed``.
+
+Limit: a pool process killed outside the task (SIGKILL) runs no hook; Celery then rejects the
+message (``task_reject_on_worker_lost``) or acks it as a ``WorkerLostError`` failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any
+
+from celery import signals
+
+from ._store import Store
+
+logger = logging.getLogger(__name__)
+
+_stores: dict[tuple[int, int], Store | None] = {}
+_lock = threading.Lock()
+
+
+def _store_for(app: Any) -> Store | None:
+    """This process's store for ``app``'s broker (None when the broker is not pgbroker)."""
+    from .transport import Transport
+
+    key = (os.getpid(), id(app))
+    with _lock:
+        if key not in _stores:
+            transport = app.connection_for_write().transport  # no I/O: just the options
+            _stores[key] = None if not isinstance(transport, Transport) else Store(
+                transport.conninfo, dataclasses.replace(transport.settings, auto_migrate=False),
+                application_name="pgbroker failure hook")
+        return _stores[key]
+
+
+def on_task_failure(sender: Any = None, exception: BaseException | None = None,
+                    einfo: Any = None, **_: Any) -> None:
+    from .transport import DELIVERY_HEADER, parse_delivery_tag
+
+    request = getattr(sender, "request", None)
+    tag = getattr(request, DELIVERY_HEADER, None) if request is not None else None
+    if not tag:
+        return  # not delivered by pgbroker
+    try:
+        job_id, attempt = parse_delivery_tag(tag)
+        store = _store_for(sender.app)
+        if store is None:
+            return
+        error = f"{type(exception).__name__}: {exception}" if exception else "task failed"
+        store.fail(job_id, attempt, error[:10000], str(einfo) if einfo else None)
+    except Exception as exc:  # noqa: BLE001 - never turn a task failure into a worker crash
+        logger.warning("pgbroker: could not record the failure of delivery %s: %s", tag, exc)
+
+
+def connect() -> None:
+    signals.task_failure.connect(on_task_failure, weak=False, dispatch_uid="pgbroker.failures")
