@@ -51,7 +51,10 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
     if not tag:
         return  # not delivered by pgbroker
     try:
-        job_id, attempt = parse_delivery_tag(tag)
+        delivery = parse_delivery_tag(tag)
+        if delivery is None:
+            return
+        job_id, attempt, _ = delivery
         store = _store_for(sender.app)
         if store is None:
             return

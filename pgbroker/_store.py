@@ -193,11 +193,12 @@ class Store:
         row = self._execute("job_next_due", {"queues": list(queues)}).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
-    def ack(self, deliveries: Iterable[tuple[uuid.UUID, int]]) -> int:
+    def ack(self, deliveries: Iterable[tuple[uuid.UUID, int]], delete: bool = False) -> int:
+        """Complete deliveries; ``delete`` (transient messages, or retention 0) removes them."""
         ids, attempts = _split(deliveries)
         if not ids:
             return 0
-        name = "job_ack_delete" if self.settings.retention == 0 else "job_ack"
+        name = "job_ack_delete" if delete or self.settings.retention == 0 else "job_ack"
         return self._execute(name, {"ids": ids, "attempts": attempts}).rowcount
 
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
@@ -262,6 +263,51 @@ class Store:
     def prune(self) -> int:
         return self._execute("job_prune", {"retention": self.settings.retention,
                                            "limit": self.settings.prune_batch_size}).rowcount
+
+    # -- exchanges, bindings, broadcasts ---------------------------------------------------------
+
+    def declare_exchange(self, name: str, type: str, durable: bool, auto_delete: bool,
+                         arguments: dict[str, Any] | None) -> None:
+        self._execute("exchange_declare", {"name": name, "type": type, "durable": durable,
+                                           "auto_delete": auto_delete,
+                                           "arguments": Jsonb(arguments or {})})
+
+    def exchange_type(self, name: str) -> str | None:
+        row = self._execute("exchange_type", {"name": name}).fetchone()
+        return row[0] if row else None
+
+    def delete_exchange(self, name: str) -> None:
+        self._execute("exchange_delete", {"name": name})
+
+    def bind(self, exchange: str, routing_key: str, queue: str) -> None:
+        self._execute("binding_declare", {"exchange": exchange, "routing_key": routing_key,
+                                          "queue": queue})
+
+    def unbind(self, exchange: str, routing_key: str, queue: str) -> None:
+        self._execute("binding_delete", {"exchange": exchange, "routing_key": routing_key,
+                                         "queue": queue})
+
+    def bindings(self, exchange: str) -> list[tuple[str, str]]:
+        """(routing key, queue) of every binding of ``exchange``."""
+        return [(r[0], r[1]) for r in self._execute("binding_list", {"exchange": exchange})]
+
+    def broadcast(self, job: NewJob) -> None:
+        """Write one message for every consumer bound to its exchange right now; notify them."""
+        p = job.params()
+        self._execute("broadcast_insert", {
+            "id": job.id, "exchange": job.exchange, "routing_key": job.routing_key,
+            "body": job.body, "content_type": job.content_type,
+            "content_encoding": job.content_encoding, "headers": p["headers"],
+            "properties": p["properties"], "channel": self.settings.channel})
+
+    def broadcast_get(self, broadcast_id: uuid.UUID) -> tuple[Any, ...] | None:
+        return self._execute("broadcast_get", {"id": broadcast_id}, binary=True).fetchone()
+
+    def prune_broadcasts(self, ttl: float = 60.0, limit: int = 1000) -> int:
+        return self._execute("broadcast_prune", {"ttl": ttl, "limit": limit}).rowcount
+
+    def expire_queues(self, limit: int = 100) -> int:
+        return self._execute("queue_expire", {"limit": limit}).rowcount
 
     # -- consumers -------------------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ class SweepResult:
     expired: int = 0      # pending/scheduled jobs past expires_at
     promoted: int = 0     # scheduled jobs that became due
     pruned: int = 0       # finished rows past the retention window
+    queues: int = 0       # idle queues past their x-expires, deleted
+    broadcasts: int = 0   # broadcast rows past their minute
 
     def __bool__(self) -> bool:
         return any(vars(self).values())
@@ -62,7 +64,10 @@ class Sweeper:
             pruned += n
             if n < self.store.settings.prune_batch_size:
                 break
-        result = SweepResult(rescued, buried, consumers, expired, promoted, pruned)
+        queues = self.store.expire_queues()
+        broadcasts = self.store.prune_broadcasts()
+        result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
+                             broadcasts)
         if rescued or buried or consumers:
             logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
                            "%d consumer(s) removed", rescued, buried, consumers)

@@ -5,7 +5,7 @@ Features
 * Type: Virtual, asynchronous (the worker's event loop waits on LISTEN/NOTIFY; no busy polling)
 * Supports Direct: Yes
 * Supports Topic: Yes
-* Supports Fanout: No (remote control and worker events need it; see the README)
+* Supports Fanout: Yes (bindings in the database; a broadcast row + NOTIFY of its id)
 * Supports Priority: Yes (AMQP direction: 0-255, higher runs first)
 * Supports TTL: Yes (Celery ``expires`` and the per-message ``expiration`` property)
 * Supports ETA: Yes (``eta``/``countdown`` wait in the database as ``scheduled`` until due)
@@ -42,6 +42,8 @@ import psycopg
 import uuid6
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
+from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES, TopicExchange
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
 from . import _db
@@ -59,6 +61,11 @@ MAX_NAME_LENGTH = 1000
 
 _DROPPED_PROPERTIES = ("delivery_info", "delivery_tag")
 
+TRANSIENT = 1  # AMQP delivery_mode of messages that need not survive (replies, events)
+
+#: Seconds a process trusts what it read of an exchange's bindings before reading them again.
+BINDINGS_TTL = 1.0
+
 #: Header carrying "<job id>/<attempt>" to the task (and so to the failure hook).
 DELIVERY_HEADER = "pgbroker_delivery"
 
@@ -75,20 +82,28 @@ def validate_queue_name(name: Any, what: str = "queue") -> str:
     return name
 
 
-def _delivery_tag(job_id: uuid.UUID, attempt: int) -> str:
-    return f"{job_id}/{attempt}"
+def _delivery_tag(job_id: uuid.UUID, attempt: int, transient: bool = False) -> str:
+    return f"{job_id}/{attempt}/t" if transient else f"{job_id}/{attempt}"
 
 
-def parse_delivery_tag(tag: str) -> tuple[uuid.UUID, int]:
-    """``"<job id>/<attempt>"`` -> (job id, attempt)."""
-    job_id, _, attempt = tag.rpartition("/")
-    return uuid.UUID(job_id), int(attempt)
+def parse_delivery_tag(tag: str) -> tuple[uuid.UUID, int, bool] | None:
+    """``"<job id>/<attempt>[/t]"`` -> (job id, attempt, transient); None for a broadcast
+    delivery (``"b/..."``), which has no row to acknowledge."""
+    parts = tag.split("/")
+    if parts[0] == "b":
+        return None
+    return uuid.UUID(parts[0]), int(parts[1]), len(parts) > 2
 
 
 def _timestamp(value: Any, what: str) -> datetime | None:
     """A Celery ``eta``/``expires`` header (ISO 8601 text or datetime) as an aware datetime."""
-    if value is None:
+    if value is None or value == 0:
         return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, timezone.utc)  # kombu pidbox: epoch seconds
+        except (OverflowError, OSError, ValueError):
+            raise MessageError(f"the {what} header {value!r} is not a valid time") from None
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)
@@ -126,22 +141,26 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         channel: Channel = self.channel
         reason = channel._undecodable.pop(delivery_tag, None)
-        job_id, attempt = parse_delivery_tag(delivery_tag)
-        if reason is not None:
-            channel.store.bury(job_id, attempt, reason)
-        else:
-            channel.store.ack([(job_id, attempt)])
+        delivery = parse_delivery_tag(delivery_tag)
+        if delivery is not None:
+            job_id, attempt, transient = delivery
+            if reason is not None:
+                channel.store.bury(job_id, attempt, reason)
+            else:
+                channel.store.ack([(job_id, attempt)], delete=transient)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         channel: Channel = self.channel
         reason = channel._undecodable.pop(delivery_tag, None)
-        job_id, attempt = parse_delivery_tag(delivery_tag)
-        if requeue and reason is None:
-            channel.store.requeue([(job_id, attempt)])
-        else:
-            channel.store.bury(job_id, attempt,
-                               reason or "rejected by the consumer without requeue")
+        delivery = parse_delivery_tag(delivery_tag)
+        if delivery is not None:
+            job_id, attempt, _ = delivery
+            if requeue and reason is None:
+                channel.store.requeue([(job_id, attempt)])
+            else:
+                channel.store.bury(job_id, attempt,
+                                   reason or "rejected by the consumer without requeue")
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
@@ -155,7 +174,8 @@ class QoS(virtual.QoS):
         if not tags:
             return []
         try:
-            self.channel.store.requeue([parse_delivery_tag(t) for t in tags], "restored unacked")
+            deliveries = [d[:2] for d in map(parse_delivery_tag, tags) if d is not None]
+            self.channel.store.requeue(deliveries, "restored unacked")
         except Exception as exc:  # noqa: BLE001 - the sweeper rescues them after the lease
             logger.warning("pgbroker: could not requeue %d unacked message(s): %s; they are "
                            "redelivered once this consumer's lease expires", len(tags), exc)
@@ -168,11 +188,37 @@ class QoS(virtual.QoS):
         super().restore_unacked_once(stderr)
 
 
+class _TopicExchange(TopicExchange):
+    """Topic routing like AMQP; a transient message (worker events) goes to the live consumers
+    as a broadcast instead of a row per bound queue, so events never pile up in ``jobs``."""
+
+    def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
+                **kwargs: Any) -> None:
+        if message["properties"].get("delivery_mode") == TRANSIENT:
+            self.channel._put_fanout(exchange, message, routing_key, **kwargs)
+        else:
+            super().deliver(message, exchange, routing_key, **kwargs)
+
+
+_TOPIC = TopicExchange(None)
+
+
+def _matches(exchange_type: str, binding_key: str, routing_key: str) -> bool:
+    """AMQP routing: fanout takes all, topic matches ``*``/``#`` patterns, direct is equality."""
+    if exchange_type == "fanout":
+        return True
+    if exchange_type == "topic":
+        return _TOPIC._match(_TOPIC.key_to_pattern(binding_key), routing_key) is not None
+    return binding_key == routing_key
+
+
 class Channel(virtual.Channel):
     """A kombu channel over the ``jobs`` table."""
 
     QoS = QoS
     Message = Message
+    exchange_types = {**STANDARD_EXCHANGE_TYPES, "topic": _TopicExchange}
+    supports_fanout = True  # bindings are in the database: every process sees them
     body_encoding = None  # the body is stored as bytes; no base64 detour
     default_priority = 0
     min_priority = 0
@@ -187,8 +233,81 @@ class Channel(virtual.Channel):
         self._more = True          # a claim may find something
         self._rotation = 0         # fairness between queues
         self._declared: set[str] = set()
+        self._no_ack: set[str] = set()   # queues consumed with no_ack: acked at claim
+        self._bound: dict[str, tuple[float, list[tuple[str, str]]]] = {}  # exchange -> bindings
+
+    # -- exchanges and bindings (kept in the database, so every process routes alike) ------------
+
+    def exchange_declare(self, exchange: str | None = None, type: str = "direct",
+                         durable: bool = False, auto_delete: bool = False,
+                         arguments: dict[str, Any] | None = None, nowait: bool = False,
+                         passive: bool = False) -> None:
+        known = exchange in self.state.exchanges
+        if passive and not known and exchange and self.store.exchange_type(exchange):
+            return
+        super().exchange_declare(exchange, type, durable, auto_delete, arguments, nowait,
+                                 passive)
+        if not known and not passive and exchange:
+            validate_queue_name(exchange, "exchange")
+            self.store.declare_exchange(exchange, type or "direct", durable, auto_delete,
+                                        arguments)
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False,
+                        nowait: bool = False) -> None:
+        super().exchange_delete(exchange, if_unused, nowait)
+        self.store.delete_exchange(exchange)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        validate_queue_name(routing_key or "-", "routing key")
+        self.store.bind(exchange, routing_key or "", queue)
+        self._bound.pop(exchange, None)
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        if exchange:
+            self.store.unbind(exchange, routing_key or "", queue)
+            self._bound.pop(exchange, None)
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        if exchange and exchange not in self.state.exchanges:
+            found = self.store.exchange_type(exchange)
+            if found:
+                return self.exchange_types[found]
+        return super().typeof(exchange, default)
+
+    def _bindings(self, exchange: str) -> list[tuple[str, str]]:
+        """The exchange's bindings from the database, cached for BINDINGS_TTL seconds."""
+        cached = self._bound.get(exchange)
+        if cached is None or monotonic() - cached[0] > BINDINGS_TTL:
+            cached = (monotonic(), self.store.bindings(exchange))
+            self._bound[exchange] = cached
+        return cached[1]
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        found = super()._lookup(exchange, routing_key, default)
+        if found or not exchange:
+            return list(found)
+        # Bound by another process (a client's reply queue): ask the database.
+        kind = self.typeof(exchange).type
+        return [queue for key, queue in self._bindings(exchange)
+                if _matches(kind, key, routing_key)]
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        """A broadcast: one row, read by every process consuming a queue bound to ``exchange``.
+        Nobody bound (worker events with no monitor running): nothing is written."""
+        if not self._bindings(exchange):
+            return
+        self.store.broadcast(self.new_job(None, message))
 
     # -- queues ----------------------------------------------------------------------------------
+
+    def prepare_queue_arguments(self, arguments: dict[str, Any] | None,
+                                **kwargs: Any) -> dict[str, Any]:
+        """Queue options as AMQP arguments (``expires`` -> ``x-expires`` in ms, ``message_ttl``
+        -> ``x-message-ttl``), stored with the queue and honoured by every process."""
+        return to_rabbitmq_queue_arguments(arguments or {}, **kwargs)
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         validate_queue_name(queue)
@@ -214,9 +333,11 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         self.store.insert(self.new_job(queue, message))
 
-    def new_job(self, queue: str, message: dict[str, Any]) -> NewJob:
-        """The row for a kombu message (as ``basic_publish`` prepared it) bound for ``queue``."""
-        validate_queue_name(queue)
+    def new_job(self, queue: str | None, message: dict[str, Any]) -> NewJob:
+        """The row for a kombu message (as ``basic_publish`` prepared it) bound for ``queue``
+        (None: a broadcast, which has no queue)."""
+        if queue is not None:
+            validate_queue_name(queue)
         body = message.get("body")
         if isinstance(body, str):
             body = body.encode("utf-8")
@@ -260,7 +381,7 @@ class Channel(virtual.Channel):
                                f"not {max_attempts!r}")
         return NewJob(
             id=uuid6.uuid7(),
-            queue=queue,
+            queue=queue or "",
             body=bytes(body),
             content_type=message.get("content-type"),
             content_encoding=message.get("content-encoding"),
@@ -285,9 +406,24 @@ class Channel(virtual.Channel):
         validate_queue_name(queue)
         self.transport.lease.ensure()
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        if no_ack:
+            self._no_ack.add(queue)
         self._more = True
         self.transport.schedule_due(self.store.next_due([queue]))
         return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack.discard(queue)
+        return result
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack, **kwargs)
+        if message is not None and no_ack:
+            self._ack_at_claim([message.delivery_tag])
+        return message
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         """``basic_get``: claim one message now, or raise Empty."""
@@ -299,6 +435,14 @@ class Channel(virtual.Channel):
             if payload is not None:
                 return payload
         raise virtual.Empty()
+
+    def _ack_at_claim(self, tags: list[str]) -> None:
+        """no_ack consumers never ack: their deliveries are complete once handed over."""
+        deliveries = [d for d in map(parse_delivery_tag, tags) if d is not None]
+        for delete in (True, False):
+            batch = [d[:2] for d in deliveries if (d[2] or self.settings.retention == 0) == delete]
+            if batch:
+                self.store.ack(batch, delete=delete)
 
     def claim_and_deliver(self) -> int:
         """Claim what the free prefetch slots allow and hand it to the consumers."""
@@ -315,11 +459,15 @@ class Channel(virtual.Channel):
             want = limit - delivered
             rows = self.store.claim(queue, want, consumer)
             full = full or len(rows) >= want
+            handed = []
             for row in rows:
                 payload = self._payload(row)
                 if payload is not None:
                     self.connection._deliver(payload, row.queue)
+                    handed.append(payload["properties"]["delivery_tag"])
                     delivered += 1
+            if handed and queue in self._no_ack:
+                self._ack_at_claim(handed)
             if delivered >= limit:
                 break
         # A full batch means more may be waiting; otherwise wait for a NOTIFY, a due timer or
@@ -330,29 +478,13 @@ class Channel(virtual.Channel):
     def _payload(self, row: JobRow) -> dict[str, Any] | None:
         """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""
         try:
-            properties = dict(row.properties)
-            if not isinstance(row.headers, dict):
-                raise TypeError(f"headers are {type(row.headers).__name__}, not an object")
-            properties["delivery_tag"] = _delivery_tag(row.id, row.attempt)
-            properties["priority"] = row.priority
-            properties["delivery_info"] = {
-                "exchange": row.exchange,
-                "routing_key": row.routing_key,
-                "priority": row.priority,
-                "redelivered": row.attempt > 1,
-                "pgbroker_job_id": str(row.id),
-                "pgbroker_attempt": row.attempt,
-            }
-            # The delivery's identity travels in a header too: Celery hands the task only a
-            # filtered delivery_info, and the failure hook (pgbroker._failures) needs it.
-            headers = {**row.headers, DELIVERY_HEADER: properties["delivery_tag"]}
-            return {
-                "body": bytes(row.body),
-                "content-type": row.content_type,
-                "content-encoding": row.content_encoding,
-                "headers": headers,
-                "properties": properties,
-            }
+            if not isinstance(row.headers, dict) or not isinstance(row.properties, dict):
+                raise TypeError("headers and properties must be JSON objects")
+            tag = _delivery_tag(row.id, row.attempt,
+                                row.properties.get("delivery_mode") == TRANSIENT)
+            return kombu_payload(row.body, row.content_type, row.content_encoding, row.headers,
+                                 row.properties, row.exchange, row.routing_key, row.priority,
+                                 tag, redelivered=row.attempt > 1)
         except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer
             logger.error("pgbroker: job %s is malformed and goes dead: %s", row.id, exc)
             self.store.bury(row.id, row.attempt, f"malformed job row: {type(exc).__name__}: {exc}")
@@ -368,6 +500,25 @@ class Channel(virtual.Channel):
         self._undecodable.clear()
 
 
+def kombu_payload(body: bytes, content_type: str | None, content_encoding: str | None,
+                  headers: dict[str, Any], properties: dict[str, Any], exchange: str,
+                  routing_key: str, priority: int, tag: str, redelivered: bool) -> dict[str, Any]:
+    """The message as kombu's virtual channels hand it to consumers."""
+    properties = {**properties, "delivery_tag": tag, "priority": priority, "delivery_info": {
+        "exchange": exchange, "routing_key": routing_key, "priority": priority,
+        "redelivered": redelivered,
+    }}
+    return {
+        "body": bytes(body),
+        "content-type": content_type,
+        "content-encoding": content_encoding,
+        # The delivery's identity travels in a header too: Celery hands the task only a
+        # filtered delivery_info, and the failure hook (pgbroker._failures) needs it.
+        "headers": {**headers, DELIVERY_HEADER: tag},
+        "properties": properties,
+    }
+
+
 class Transport(virtual.Transport):
     """kombu transport over PostgreSQL (see the module docstring)."""
 
@@ -381,7 +532,7 @@ class Transport(virtual.Transport):
 
     implements = virtual.Transport.implements.extend(
         asynchronous=True,
-        exchange_type=frozenset(["direct", "topic"]),
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
 
@@ -451,25 +602,55 @@ class Transport(virtual.Transport):
         assert self._listener is not None
         return self._listener
 
-    def _read_notifications(self) -> None:
-        """Drain pending NOTIFYs: mark the channels consuming those queues, arm due timers."""
+    def _read_notifications(self) -> int:
+        """Drain pending NOTIFYs: mark the channels consuming those queues, arm due timers,
+        deliver broadcasts. Returns the number of broadcast deliveries made."""
         pgconn = self._listen().pgconn
         with _db.translate_errors("reading notifications"):
             pgconn.consume_input()
             if pgconn.status != psycopg.pq.ConnStatus.OK:
                 raise DatabaseUnavailable("the LISTEN connection was closed by the server")
+        delivered = 0
         while (note := pgconn.notifies()) is not None:
-            delay_text, _, queue = note.extra.decode("utf-8", "replace").partition(" ")
+            kind, _, rest = note.extra.decode("utf-8", "replace").partition(" ")
+            if kind == "b":
+                broadcast_id, _, exchange = rest.partition(" ")
+                delivered += self._deliver_broadcast(broadcast_id, exchange)
+                continue
             try:
-                delay = float(delay_text)
+                delay = float(kind)
             except ValueError:
                 continue
             for channel in self.channels:
-                if queue in channel._active_queues:
+                if rest in channel._active_queues:
                     if delay <= 0:
                         channel._more = True
                     else:
                         self.schedule_due(delay)
+        return delivered
+
+    def _deliver_broadcast(self, broadcast_id: str, exchange: str) -> int:
+        """Hand a broadcast to this process's consumed queues bound to ``exchange``."""
+        bound = [(queue, key) for channel in self.channels for queue in channel._active_queues
+                 for ex, key, _ in self.state.queue_bindings(queue) if ex == exchange]
+        if not bound:
+            return 0
+        try:
+            row = self.store.broadcast_get(uuid.UUID(broadcast_id))
+        except ValueError:
+            return 0
+        if row is None:  # pruned already
+            return 0
+        _, routing_key, body, content_type, content_encoding, headers, properties = row
+        kind = self.state.exchanges.get(exchange, {}).get("type", "fanout")
+        delivered = 0
+        for n, (queue, key) in enumerate(bound):
+            if _matches(kind, key, routing_key):
+                self._deliver(kombu_payload(
+                    body, content_type, content_encoding, headers, properties, exchange,
+                    routing_key, 0, f"b/{broadcast_id}/{n}", redelivered=False), queue)
+                delivered += 1
+        return delivered
 
     # -- due timers (scheduled jobs) -------------------------------------------------------------
 
@@ -574,8 +755,8 @@ class Transport(virtual.Transport):
                 wait = min(wait, deadline - now)
             listener = self._listen()
             readable, _, _ = select.select([listener.fileno()], [], [], max(wait, 0))
-            if readable:
-                self._read_notifications()
+            if readable and self._read_notifications():
+                return
 
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None

@@ -13,7 +13,12 @@ WITH inserted AS (
             %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
             CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
             %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
-            %(expires_at)s::timestamptz, %(idempotency_key)s)
+            -- the queue's x-message-ttl, if declared, bounds the message's own expiry
+            least(%(expires_at)s::timestamptz,
+                  (SELECT now() + make_interval(secs => (q.arguments->>'x-message-ttl')::float8
+                                                       / 1000)
+                   FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
+            %(idempotency_key)s)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at
 )
@@ -31,7 +36,12 @@ WITH inserted AS (
     SELECT id, queue, task, task_id, retries, exchange, routing_key, body,
            content_type, content_encoding, headers, properties,
            CASE WHEN run_at > now() THEN 'scheduled' ELSE 'pending' END,
-           priority, max_attempts, COALESCE(run_at, now()), expires_at, idempotency_key
+           priority, max_attempts, COALESCE(run_at, now()),
+           -- the queue's x-message-ttl, if declared, bounds the message's own expiry
+           least(expires_at, (SELECT now() + make_interval(
+                                  secs => (q.arguments->>'x-message-ttl')::float8 / 1000)
+                              FROM {schema}.queues AS q WHERE q.name = m.queue)),
+           idempotency_key
     FROM unnest(%(id)s::uuid[], %(queue)s::text[], %(task)s::text[], %(task_id)s::text[],
                 %(retries)s::int[], %(exchange)s::text[], %(routing_key)s::text[],
                 %(body)s::bytea[], %(content_type)s::text[], %(content_encoding)s::text[],
@@ -295,6 +305,10 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(lock_key)s)
 ON CONFLICT (id) DO UPDATE SET queues = EXCLUDED.queues, heartbeat_at = now();
 
 -- name: consumer_heartbeat
+WITH touched AS (
+    -- consumed queues are in use: they never expire (x-expires) under a living consumer
+    UPDATE {schema}.queues SET last_used_at = now() WHERE name = ANY(%(queues)s)
+)
 UPDATE {schema}.consumers SET heartbeat_at = now(), queues = %(queues)s WHERE id = %(id)s;
 
 -- name: consumer_unregister

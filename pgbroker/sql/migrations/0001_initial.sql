@@ -90,6 +90,43 @@ CREATE TABLE {schema}.queues (
     last_used_at  timestamptz NOT NULL DEFAULT now()
 );
 
+-- Exchanges and bindings live here, not only in each process's memory, so that every process
+-- routes alike: a worker replying to `celery inspect` must find the client's reply queue.
+CREATE TABLE {schema}.exchanges (
+    name          text        PRIMARY KEY,
+    type          text        NOT NULL CHECK (type IN ('direct', 'topic', 'fanout')),
+    durable       boolean     NOT NULL DEFAULT true,
+    auto_delete   boolean     NOT NULL DEFAULT false,
+    arguments     jsonb       NOT NULL DEFAULT '{}',
+    created_at    timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE {schema}.bindings (
+    exchange      text        NOT NULL,
+    routing_key   text        NOT NULL,
+    queue         text        NOT NULL REFERENCES {schema}.queues (name) ON DELETE CASCADE,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (exchange, routing_key, queue)
+);
+CREATE INDEX bindings_queue_idx ON {schema}.bindings (queue);
+
+-- Fanout messages (remote control) and transient topic messages (worker events) go to whoever
+-- is consuming a bound queue right now, like RabbitMQ's auto-delete queues. The message is
+-- written here once and a NOTIFY carries only its id: notifications are readable by any role,
+-- and pg_notify stops at 8000 bytes. Rows are pruned after a minute by the sweeper.
+CREATE TABLE {schema}.broadcasts (
+    id               uuid        PRIMARY KEY,
+    exchange         text        NOT NULL,
+    routing_key      text        NOT NULL DEFAULT '',
+    body             bytea       NOT NULL,
+    content_type     text,
+    content_encoding text,
+    headers          jsonb       NOT NULL DEFAULT '{}',
+    properties       jsonb       NOT NULL DEFAULT '{}',
+    created_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX broadcasts_created_idx ON {schema}.broadcasts (created_at);
+
 -- Consumers alive now. Each holds a session advisory lock (lock_key) while its connection lives
 -- and heartbeats; the sweeper rescues the running jobs of those whose lock is gone or whose
 -- heartbeat is older than the lease timeout.
