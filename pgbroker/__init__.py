@@ -14,6 +14,7 @@ from .errors import (
     PgBrokerError,
     SchemaError,
 )
+from .enqueue import enqueue, enqueue_many, transaction
 from .migrate import migrate
 from .settings import Settings
 from . import _failures
@@ -27,7 +28,10 @@ __all__ = [
     "PgBrokerError",
     "SchemaError",
     "Settings",
+    "enqueue",
+    "enqueue_many",
     "migrate",
+    "transaction",
 ]
 
 __version__ = "0.1.0"

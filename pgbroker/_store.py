@@ -33,6 +33,9 @@ __all__ = ["Store", "JobRow", "NewJob", "queries"]
 
 logger = logging.getLogger(__name__)
 
+#: Statements that create messages: durable unless the user opts into fast publishing.
+_PUBLISHES = frozenset({"job_insert", "job_insert_many", "broadcast_insert"})
+
 _BLOCK_RE = re.compile(r"^-- name: (\w+)\s*$", re.M)
 
 
@@ -127,6 +130,8 @@ class Store:
         self._application_name = application_name
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
+        self._exec_lock = threading.RLock()
+        self._sync: bool | None = None  # the connection's synchronous_commit, as last set
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -145,6 +150,7 @@ class Store:
                 with _db.translate_errors("checking the pgbroker schema"):
                     check_schema(conn, self.settings.schema)
             self._conn = conn
+            self._sync = None
             return conn
 
     @property
@@ -159,11 +165,18 @@ class Store:
             _db.close(self._conn)
             self._conn = None
 
-    def _execute(self, name: str, params: dict[str, Any] | None = None,
-                 binary: bool = False) -> psycopg.Cursor[Any]:
-        with _db.translate_errors(f"pgbroker {name}"):
-            return self.conn.cursor(binary=binary, row_factory=tuple_row).execute(
-                self.q[name], params)
+    def _execute(self, name: str, params: dict[str, Any] | None = None, binary: bool = False,
+                 durable: bool = True) -> psycopg.Cursor[Any]:
+        """Run a named query. ``durable=False`` marks consumer bookkeeping (claim, ack,
+        requeue), which commits without waiting for the WAL flush unless ``durable_acks``."""
+        sync = self.settings.durable_acks if not durable else (
+            self.settings.durable_publish if name in _PUBLISHES else True)
+        with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
+            conn = self.conn
+            if self._sync is not sync:
+                conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
+                self._sync = sync
+            return conn.cursor(binary=binary, row_factory=tuple_row).execute(self.q[name], params)
 
     # -- publish ---------------------------------------------------------------------------------
 
@@ -176,16 +189,21 @@ class Store:
 
     # -- consume ---------------------------------------------------------------------------------
 
-    def claim(self, queue: str, limit: int, consumer: uuid.UUID) -> list[JobRow]:
-        cur = self._execute("job_claim", {"queue": queue, "limit": limit, "consumer": consumer},
-                            binary=True)
+    def claim(self, queue: str, limit: int, consumer: uuid.UUID,
+              acks: Iterable[tuple[uuid.UUID, int]] = ()) -> list[JobRow]:
+        """Take up to ``limit`` due jobs of ``queue``, acknowledging ``acks`` in the same
+        statement (plain acks only: no deletion)."""
+        ids, attempts = _split(acks)
+        cur = self._execute("job_claim", {"queue": queue, "limit": limit, "consumer": consumer,
+                                          "ids": ids, "attempts": attempts}, binary=True, durable=False)
         rows = [JobRow(*row) for row in cur.fetchall()]
         rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
         return rows
 
     def promote(self, queues: Sequence[str], limit: int = 1000) -> int:
         row = self._execute("job_promote", {"queues": list(queues), "limit": limit,
-                                            "channel": self.settings.channel}).fetchone()
+                                            "channel": self.settings.channel},
+                            durable=False).fetchone()
         return int(row[0]) if row else 0
 
     def next_due(self, queues: Sequence[str]) -> float | None:
@@ -199,20 +217,21 @@ class Store:
         if not ids:
             return 0
         name = "job_ack_delete" if delete or self.settings.retention == 0 else "job_ack"
-        return self._execute(name, {"ids": ids, "attempts": attempts}).rowcount
+        return self._execute(name, {"ids": ids, "attempts": attempts}, durable=False).rowcount
 
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
                 error: str | None = None) -> None:
         ids, attempts = _split(deliveries)
         if ids:
             self._execute("job_requeue", {"ids": ids, "attempts": attempts, "error": error,
-                                          "channel": self.settings.channel})
+                                          "channel": self.settings.channel}, durable=False)
 
     def bury(self, job_id: uuid.UUID, attempt: int | None, error: str) -> int:
         if attempt is None:
-            return self._execute("job_bury_row", {"id": job_id, "error": error}).rowcount
-        return self._execute("job_bury", {"id": job_id, "attempt": attempt,
-                                          "error": error}).rowcount
+            return self._execute("job_bury_row", {"id": job_id, "error": error},
+                                 durable=False).rowcount
+        return self._execute("job_bury", {"id": job_id, "attempt": attempt, "error": error},
+                             durable=False).rowcount
 
     def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None) -> int:
         """Record that the task of this delivery raised (before its ack)."""

@@ -49,6 +49,7 @@ from kombu.utils.objects import cached_property
 from . import _db
 from ._lease import Lease
 from ._store import JobRow, NewJob, Store
+from .enqueue import _current_target
 from .errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
 from .settings import Settings
 
@@ -89,10 +90,12 @@ def _delivery_tag(job_id: uuid.UUID, attempt: int, transient: bool = False) -> s
 def parse_delivery_tag(tag: str) -> tuple[uuid.UUID, int, bool] | None:
     """``"<job id>/<attempt>[/t]"`` -> (job id, attempt, transient); None for a broadcast
     delivery (``"b/..."``), which has no row to acknowledge."""
-    parts = tag.split("/")
+    parts = str(tag).split("/")
     if parts[0] == "b":
         return None
-    return uuid.UUID(parts[0]), int(parts[1]), len(parts) > 2
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "t"):
+        raise ValueError(f"{tag!r} is not a pgbroker delivery tag (<job id>/<attempt>)")
+    return uuid.UUID(parts[0]), int(parts[1]), len(parts) == 3
 
 
 def _timestamp(value: Any, what: str) -> datetime | None:
@@ -112,6 +115,81 @@ def _timestamp(value: Any, what: str) -> datetime | None:
     if not isinstance(value, datetime):
         raise MessageError(f"the {what} header must be an ISO 8601 time, not {value!r}")
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any]) -> NewJob:
+    """The row for a kombu message (as ``basic_publish`` prepared it) bound for ``queue``
+    (None: a broadcast, which has no queue). Every check of a message at publish is here."""
+    if queue is not None:
+        validate_queue_name(queue)
+    body = message.get("body")
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    elif body is None:
+        body = b""
+    elif not isinstance(body, (bytes, bytearray, memoryview)):
+        raise MessageError(f"message body must be bytes or str, not {type(body).__name__}")
+    if len(body) > settings.max_message_size:
+        raise MessageError(
+            f"message body is {len(body)} bytes; the limit (max_message_size) is "
+            f"{settings.max_message_size}")
+    headers = message.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise MessageError(f"message headers must be a dict, not {type(headers).__name__}")
+    if DELIVERY_HEADER in headers:  # a retry's copy of its original's delivery: not ours
+        headers = {k: v for k, v in headers.items() if k != DELIVERY_HEADER}
+    properties = dict(message.get("properties") or {})
+    info = properties.get("delivery_info") or {}
+    for key in _DROPPED_PROPERTIES:
+        properties.pop(key, None)
+    task = headers.get("task")
+    retries = headers.get("retries") or 0
+    # A retry (Celery copies custom headers into it) continues its job; it is no new
+    # enqueue, so its key must not make the unique index swallow it.
+    key = headers.get("idempotency_key") if not retries else None
+    if key is None and not retries and task in settings.require_idempotency_key:
+        raise IdempotencyKeyRequired(
+            f"task {task!r} requires an idempotency key: pass "
+            "headers={'idempotency_key': ...} or use pgbroker.enqueue(..., idempotency_key=)")
+    expires_at = _timestamp(headers.get("expires"), "expires")
+    expiration = properties.get("expiration")
+    if expiration is not None:  # AMQP per-message TTL, in milliseconds
+        try:
+            ttl_at = datetime.now(timezone.utc) + timedelta(milliseconds=float(expiration))
+        except (TypeError, ValueError):
+            raise MessageError(f"expiration {expiration!r} is not milliseconds") from None
+        expires_at = min(expires_at, ttl_at) if expires_at else ttl_at
+    max_attempts = headers.get("max_attempts", settings.max_attempts)
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+        raise MessageError(f"max_attempts header must be a positive integer, "
+                           f"not {max_attempts!r}")
+    return NewJob(
+        id=uuid6.uuid7(),
+        queue=queue or "",
+        body=bytes(body),
+        content_type=message.get("content-type"),
+        content_encoding=message.get("content-encoding"),
+        headers=headers,
+        properties=properties,
+        exchange=info.get("exchange") or "",
+        routing_key=info.get("routing_key") or "",
+        task=task if isinstance(task, str) else None,
+        task_id=str(headers["id"]) if headers.get("id") is not None else None,
+        retries=retries if isinstance(retries, int) else 0,
+        priority=_priority(message),
+        max_attempts=max_attempts,
+        run_at=_timestamp(headers.get("eta"), "eta"),
+        expires_at=expires_at,
+        idempotency_key=None if key is None else str(key),
+    )
+
+
+def _priority(message: dict[str, Any]) -> int:
+    """AMQP priority 0-255 (higher runs first); anything else is the default, 0."""
+    try:
+        return max(0, min(int(message["properties"]["priority"]), 255))
+    except (TypeError, ValueError, KeyError):
+        return 0
 
 
 class Message(virtual.Message):
@@ -146,6 +224,11 @@ class QoS(virtual.QoS):
             job_id, attempt, transient = delivery
             if reason is not None:
                 channel.store.bury(job_id, attempt, reason)
+            elif channel.transport.defer_acks and not transient and \
+                    self.channel.settings.retention:
+                # In the worker's event loop: sent with the next claim, or at the end of this
+                # loop turn at the latest. A crash before that only means a redelivery.
+                channel.pending_acks.append((job_id, attempt))
             else:
                 channel.store.ack([(job_id, attempt)], delete=transient)
         super().ack(delivery_tag)
@@ -169,6 +252,7 @@ class QoS(virtual.QoS):
             self._delivered.clear()
             return []
         self._flush()
+        self.channel.flush_acks()  # never requeue what was acked but not yet written
         tags = list(self._delivered)
         self._delivered.clear()
         if not tags:
@@ -234,6 +318,7 @@ class Channel(virtual.Channel):
         self._rotation = 0         # fairness between queues
         self._declared: set[str] = set()
         self._no_ack: set[str] = set()   # queues consumed with no_ack: acked at claim
+        self.pending_acks: list[tuple[uuid.UUID, int]] = []  # deferred acks (event loop mode)
         self._bound: dict[str, tuple[float, list[tuple[str, str]]]] = {}  # exchange -> bindings
 
     # -- exchanges and bindings (kept in the database, so every process routes alike) ------------
@@ -331,73 +416,15 @@ class Channel(virtual.Channel):
     # -- publish ---------------------------------------------------------------------------------
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        self.store.insert(self.new_job(queue, message))
+        job = self.new_job(queue, message)
+        target = _current_target()
+        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
+            target.add(job, self.settings)
+        else:
+            self.store.insert(job)
 
     def new_job(self, queue: str | None, message: dict[str, Any]) -> NewJob:
-        """The row for a kombu message (as ``basic_publish`` prepared it) bound for ``queue``
-        (None: a broadcast, which has no queue)."""
-        if queue is not None:
-            validate_queue_name(queue)
-        body = message.get("body")
-        if isinstance(body, str):
-            body = body.encode("utf-8")
-        elif body is None:
-            body = b""
-        elif not isinstance(body, (bytes, bytearray, memoryview)):
-            raise MessageError(f"message body must be bytes or str, not {type(body).__name__}")
-        if len(body) > self.settings.max_message_size:
-            raise MessageError(
-                f"message body is {len(body)} bytes; the limit (max_message_size) is "
-                f"{self.settings.max_message_size}")
-        headers = message.get("headers") or {}
-        if DELIVERY_HEADER in headers:  # a retry's copy of its original's delivery: not ours
-            headers = {k: v for k, v in headers.items() if k != DELIVERY_HEADER}
-        properties = dict(message.get("properties") or {})
-        if not isinstance(headers, dict):
-            raise MessageError(f"message headers must be a dict, not {type(headers).__name__}")
-        info = properties.get("delivery_info") or {}
-        for key in _DROPPED_PROPERTIES:
-            properties.pop(key, None)
-        task = headers.get("task")
-        retries = headers.get("retries") or 0
-        # A retry (Celery copies custom headers into it) continues its job; it is no new
-        # enqueue, so its key must not make the unique index swallow it.
-        key = headers.get("idempotency_key") if not retries else None
-        if key is None and not retries and task in self.settings.require_idempotency_key:
-            raise IdempotencyKeyRequired(
-                f"task {task!r} requires an idempotency key: pass "
-                "headers={'idempotency_key': ...} or use pgbroker.enqueue(..., idempotency_key=)")
-        expires_at = _timestamp(headers.get("expires"), "expires")
-        expiration = properties.get("expiration")
-        if expiration is not None:  # AMQP per-message TTL, in milliseconds
-            try:
-                ttl_at = datetime.now(timezone.utc) + timedelta(milliseconds=float(expiration))
-            except (TypeError, ValueError):
-                raise MessageError(f"expiration {expiration!r} is not milliseconds") from None
-            expires_at = min(expires_at, ttl_at) if expires_at else ttl_at
-        max_attempts = headers.get("max_attempts", self.settings.max_attempts)
-        if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-            raise MessageError(f"max_attempts header must be a positive integer, "
-                               f"not {max_attempts!r}")
-        return NewJob(
-            id=uuid6.uuid7(),
-            queue=queue or "",
-            body=bytes(body),
-            content_type=message.get("content-type"),
-            content_encoding=message.get("content-encoding"),
-            headers=headers,
-            properties=properties,
-            exchange=info.get("exchange") or "",
-            routing_key=info.get("routing_key") or "",
-            task=task if isinstance(task, str) else None,
-            task_id=str(headers["id"]) if headers.get("id") is not None else None,
-            retries=retries if isinstance(retries, int) else 0,
-            priority=self._get_message_priority(message),
-            max_attempts=max_attempts,
-            run_at=_timestamp(headers.get("eta"), "eta"),
-            expires_at=expires_at,
-            idempotency_key=None if key is None else str(key),
-        )
+        return message_to_job(self.settings, queue, message)
 
     # -- consume ---------------------------------------------------------------------------------
 
@@ -405,6 +432,7 @@ class Channel(virtual.Channel):
                       **kwargs: Any) -> str:
         validate_queue_name(queue)
         self.transport.lease.ensure()
+        self.transport._listen()  # before the first claim, or a NOTIFY could fall in between
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         if no_ack:
             self._no_ack.add(queue)
@@ -444,10 +472,18 @@ class Channel(virtual.Channel):
             if batch:
                 self.store.ack(batch, delete=delete)
 
+    def flush_acks(self) -> None:
+        """Write the deferred acks now."""
+        acks, self.pending_acks = self.pending_acks, []
+        if acks:
+            self.store.ack(acks)
+
     def claim_and_deliver(self) -> int:
-        """Claim what the free prefetch slots allow and hand it to the consumers."""
+        """Claim what the free prefetch slots allow and hand it to the consumers (writing the
+        deferred acks in the same statement)."""
         queues = self._active_queues
         if not queues or not self.qos.can_consume():
+            self.flush_acks()
             return 0
         limit = self.qos.can_consume_max_estimate() or self.settings.claim_batch_max
         consumer = self.transport.lease.ensure()
@@ -457,7 +493,8 @@ class Channel(virtual.Channel):
         full = False
         for queue in ordered:
             want = limit - delivered
-            rows = self.store.claim(queue, want, consumer)
+            acks, self.pending_acks = self.pending_acks, []
+            rows = self.store.claim(queue, want, consumer, acks)
             full = full or len(rows) >= want
             handed = []
             for row in rows:
@@ -496,6 +533,12 @@ class Channel(virtual.Channel):
         return self.qos.restore_unacked()
 
     def close(self) -> None:
+        if not self.closed:
+            try:
+                self.flush_acks()
+            except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
+                logger.warning("pgbroker: %d ack(s) not written at close: %s",
+                               len(self.pending_acks), exc)
         super().close()
         self._undecodable.clear()
 
@@ -549,6 +592,7 @@ class Transport(virtual.Transport):
         self._timers: list[Any] = []
         self._due_entry: Any = None
         self._due_at: float | None = None
+        self._due_dirty = False  # a scheduled job was published: recompute the next due time
         self._last_poll = monotonic()
 
     @staticmethod
@@ -558,9 +602,10 @@ class Transport(virtual.Transport):
             return _db.libpq_url(hostname)
         if "=" in hostname:  # a key=value conninfo string
             return hostname
+        dbname = client.virtual_host if client.virtual_host not in (None, "", "/") else None
         return psycopg.conninfo.make_conninfo(
             host=hostname, port=client.port or 5432, user=client.userid or None,
-            password=client.password or None, dbname=client.virtual_host or None)
+            password=client.password or None, dbname=dbname)
 
     @cached_property
     def lease(self) -> Lease:
@@ -573,7 +618,9 @@ class Transport(virtual.Transport):
         return psycopg.__version__
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        return uri if include_password else _db.mask_password(uri, mask)
+        shown = uri if include_password else _db.mask_password(uri, mask)
+        prefix = getattr(self.client, "uri_prefix", None)  # pgbroker+postgresql://...
+        return f"{prefix}+{shown}" if prefix else shown
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -626,7 +673,9 @@ class Transport(virtual.Transport):
                     if delay <= 0:
                         channel._more = True
                     else:
-                        self.schedule_due(delay)
+                        # the payload's delay was measured at INSERT, not at COMMIT: ask the
+                        # database clock once per loop turn, however many arrived
+                        self._due_dirty = True
         return delivered
 
     def _deliver_broadcast(self, broadcast_id: str, exchange: str) -> int:
@@ -708,6 +757,11 @@ class Transport(virtual.Transport):
         loop, self._loop = self._loop, None
         if loop is None:
             return
+        for channel in self.channels:  # acks are no longer deferred: write the pending ones
+            try:
+                channel.flush_acks()
+            except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
+                logger.warning("pgbroker: acks not written: %s", exc)
         loop.on_tick.discard(self._on_tick)
         for entry in self._timers + [self._due_entry]:
             if entry is not None:
@@ -723,10 +777,25 @@ class Transport(virtual.Transport):
         self._read_notifications()
         self._on_tick()
 
+    @property
+    def defer_acks(self) -> bool:
+        """Acks wait for the end of the event-loop turn (only inside a worker's event loop)."""
+        return self._loop is not None
+
+    def _refresh_due(self) -> None:
+        if self._due_dirty:
+            self._due_dirty = False
+            queues = self._consumed_queues()
+            if queues:
+                self.schedule_due(self.store.next_due(queues))
+
     def _on_tick(self) -> None:
+        self._refresh_due()
         for channel in self.channels:
             if channel._more and channel._active_queues:
                 channel.claim_and_deliver()
+            elif channel.pending_acks:
+                channel.flush_acks()
 
     # -- the synchronous path (plain kombu consumers, celery inspect clients) --------------------
 
@@ -739,6 +808,7 @@ class Transport(virtual.Transport):
                     delivered += channel.claim_and_deliver()
             if delivered:
                 return
+            self._refresh_due()
             now = monotonic()
             if self._due_at is not None and now >= self._due_at:
                 self._on_due()

@@ -42,12 +42,12 @@ WITH inserted AS (
                                   secs => (q.arguments->>'x-message-ttl')::float8 / 1000)
                               FROM {schema}.queues AS q WHERE q.name = m.queue)),
            idempotency_key
-    FROM unnest(%(id)s::uuid[], %(queue)s::text[], %(task)s::text[], %(task_id)s::text[],
-                %(retries)s::int[], %(exchange)s::text[], %(routing_key)s::text[],
-                %(body)s::bytea[], %(content_type)s::text[], %(content_encoding)s::text[],
-                %(headers)s::jsonb[], %(properties)s::jsonb[], %(priority)s::smallint[],
-                %(max_attempts)s::int[], %(run_at)s::timestamptz[], %(expires_at)s::timestamptz[],
-                %(idempotency_key)s::text[])
+    FROM unnest(%(id)b::uuid[], %(queue)b::text[], %(task)b::text[], %(task_id)b::text[],
+                %(retries)b::int[], %(exchange)b::text[], %(routing_key)b::text[],
+                %(body)b::bytea[], %(content_type)b::text[], %(content_encoding)b::text[],
+                %(headers)b::jsonb[], %(properties)b::jsonb[], %(priority)b::smallint[],
+                %(max_attempts)b::int[], %(run_at)b::timestamptz[], %(expires_at)b::timestamptz[],
+                %(idempotency_key)b::text[])
          AS m(id, queue, task, task_id, retries, exchange, routing_key, body, content_type,
               content_encoding, headers, properties, priority, max_attempts, run_at,
               expires_at, idempotency_key)
@@ -59,8 +59,17 @@ FROM (SELECT queue, greatest(extract(epoch FROM min(run_at) - now()), 0) AS min_
       FROM inserted GROUP BY queue) AS per_queue;
 
 -- name: job_claim
--- Take up to %(limit)s due jobs of one queue for one consumer.
-WITH candidates AS MATERIALIZED (
+-- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
+-- in one statement: one round trip and one commit per event-loop turn instead of two.
+WITH acked AS (
+    -- The acks deferred since the last claim (the same rule as job_ack). A data-modifying CTE
+    -- always runs to completion, even when the claim below finds nothing.
+    UPDATE {schema}.jobs AS j
+    SET state = CASE WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
+        locked_at = NULL, updated_at = now()
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
+), candidates AS MATERIALIZED (
     -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
     -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
     -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
@@ -70,6 +79,9 @@ WITH candidates AS MATERIALIZED (
     WHERE state = 'pending' AND queue = %(queue)s
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
+      -- an expired message is never delivered (the sweeper marks it 'expired'), and must not
+      -- use up the LIMIT either
+      AND (expires_at IS NULL OR expires_at > now())
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -82,8 +94,6 @@ SET state = 'running',
     updated_at = now()
 FROM candidates AS c
 WHERE j.id = c.id
-  -- an expired message is never delivered; it is marked 'expired' by the sweeper
-  AND (j.expires_at IS NULL OR j.expires_at > now())
 RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing_key, j.body,
           j.content_type, j.content_encoding, j.headers, j.properties;
 

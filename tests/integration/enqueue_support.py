@@ -1,0 +1,67 @@
+"""The caller's side of the enqueue tests: an application transaction through each kind of
+connection pgbroker accepts (shared by tests/integration/test_enqueue.py and
+tests/e2e/test_enqueue_worker.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+__all__ = ["KINDS", "Caller", "Recorder", "pgbroker_inserts"]
+
+#: SQLAlchemy Session, SQLAlchemy Connection, raw psycopg 3 connection.
+KINDS = ["session", "sa_connection", "psycopg"]
+
+
+class Recorder(psycopg.Cursor):
+    """A cursor that records the statements it runs (instrumentation, not a mock: it runs them)."""
+
+    log: list[tuple[str, bool]] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Recorder:
+        text_ = query if isinstance(query, str) else str(query)
+        in_pipeline = self.connection.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+        Recorder.log.append((text_, in_pipeline))
+        return super().execute(query, params, **kwargs)
+
+
+def pgbroker_inserts() -> list[tuple[str, bool]]:
+    return [entry for entry in Recorder.log if 'INSERT INTO "pgbroker".jobs' in entry[0]]
+
+
+class Caller:
+    """One open transaction of the application, through one kind of connection."""
+
+    def __init__(self, kind: str, db_url: str):
+        self.kind = kind
+        self.engine: Engine | None = None
+        if kind == "psycopg":
+            self.conn = psycopg.connect(db_url, cursor_factory=Recorder)
+            self.db: Any = self.conn
+        else:
+            self.engine = create_engine(
+                db_url.replace("postgresql://", "postgresql+psycopg://", 1),
+                connect_args={"cursor_factory": Recorder})
+            self.db = Session(self.engine) if kind == "session" else self.engine.connect()
+
+    def execute(self, sql: str) -> list[Any]:
+        if self.kind == "psycopg":
+            cur = self.conn.execute(sql)
+            return cur.fetchall() if cur.description else []
+        result = self.db.execute(text(sql))
+        return list(result) if result.returns_rows else []
+
+    def commit(self) -> None:
+        self.db.commit()
+
+    def rollback(self) -> None:
+        self.db.rollback()
+
+    def close(self) -> None:
+        self.db.close()
+        if self.engine is not None:
+            self.engine.dispose()
