@@ -19,7 +19,7 @@ from . import _db
 from .errors import SchemaError
 from .settings import Settings
 
-__all__ = ["migrate", "check", "MIGRATIONS", "latest_version"]
+__all__ = ["migrate", "check", "apply", "load", "Migration", "MIGRATIONS", "latest_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,13 @@ class Migration:
     sql: str
 
 
-def _load() -> tuple[Migration, ...]:
+def load(package: str, folder: str) -> tuple[Migration, ...]:
+    """The numbered ``NNNN_name.sql`` files of ``package``/``folder``, checked to be 1..n."""
     found = []
-    for entry in resources.files("pgbroker").joinpath("sql").joinpath("migrations").iterdir():
+    root = resources.files(package)
+    for part in folder.split("/"):
+        root = root.joinpath(part)
+    for entry in root.iterdir():
         match = _FILE_RE.match(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
@@ -45,7 +49,7 @@ def _load() -> tuple[Migration, ...]:
     return tuple(found)
 
 
-MIGRATIONS = _load()
+MIGRATIONS = load("pgbroker", "sql/migrations")
 
 
 def latest_version() -> int:
@@ -57,12 +61,21 @@ def _lock_key(schema: str) -> str:
 
 
 def migrate(conninfo: str, schema: str = "pgbroker") -> list[int]:
-    """Apply the pending migrations to ``schema``; return the versions applied (maybe none)."""
+    """Apply pgbroker's pending migrations to ``schema``; return the versions applied."""
     Settings(schema=schema)  # validates the name
+    return apply(conninfo, schema, MIGRATIONS, what="pgbroker")
+
+
+def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],
+          what: str = "pgbroker") -> list[int]:
+    """Apply ``migrations`` (from :func:`load`) to ``schema``, in one transaction under an
+    advisory lock, recording them in ``<schema>.migrations``; return the versions applied.
+
+    Applications can version their own schema with it (ticketflow does)."""
     ident = f'"{schema}"'
-    conn = _db.connect(conninfo, autocommit=False, application_name="pgbroker migrate")
+    conn = _db.connect(conninfo, autocommit=False, application_name=f"{what} migrate")
     try:
-        with _db.translate_errors("migrating the pgbroker schema"), conn.transaction():
+        with _db.translate_errors(f"migrating the {what} schema"), conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (_lock_key(schema),))
             conn.execute(f"CREATE SCHEMA IF NOT EXISTS {ident}")
             conn.execute(
@@ -71,13 +84,13 @@ def migrate(conninfo: str, schema: str = "pgbroker") -> list[int]:
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             )
             done = {row[0] for row in conn.execute(f"SELECT version FROM {ident}.migrations")}
-            _refuse_newer(done, schema)
+            _refuse_newer(done, schema, migrations[-1].version, what)
             applied = []
-            for m in MIGRATIONS:
+            for m in migrations:
                 if m.version in done:
                     continue
-                logger.info("applying pgbroker migration %04d_%s to schema %s",
-                            m.version, m.name, schema)
+                logger.info("applying %s migration %04d_%s to schema %s",
+                            what, m.version, m.name, schema)
                 conn.execute(m.sql.replace("{schema}", ident).encode())
                 conn.execute(f"INSERT INTO {ident}.migrations (version, name) VALUES (%s, %s)",
                              (m.version, m.name))
@@ -98,7 +111,7 @@ def check(conn: psycopg.Connection[Any], schema: str) -> None:
             f"`pgbroker migrate` (or enable the auto_migrate transport option)"
         )
     done = {r[0] for r in conn.execute(f'SELECT version FROM "{schema}".migrations')}
-    _refuse_newer(done, schema)
+    _refuse_newer(done, schema, latest_version(), "pgbroker")
     missing = [m.version for m in MIGRATIONS if m.version not in done]
     if missing:
         raise SchemaError(
@@ -106,10 +119,10 @@ def check(conn: psycopg.Connection[Any], schema: str) -> None:
         )
 
 
-def _refuse_newer(done: set[int], schema: str) -> None:
-    newer = sorted(v for v in done if v > latest_version())
+def _refuse_newer(done: set[int], schema: str, latest: int, what: str) -> None:
+    newer = sorted(v for v in done if v > latest)
     if newer:
         raise SchemaError(
-            f"the pgbroker schema {schema!r} was migrated by a newer pgbroker (versions {newer}; "
-            f"this one knows up to {latest_version()}): upgrade pgbroker on this host"
+            f"the {what} schema {schema!r} was migrated by a newer {what} (versions {newer}; "
+            f"this one knows up to {latest}): upgrade {what} on this host"
         )
