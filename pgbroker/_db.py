@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import psycopg
 
@@ -54,6 +54,34 @@ def libpq_url(url: str) -> str:
     raise ConfigurationError(
         f"{mask_password(url)} is not a PostgreSQL URL: use pgbroker://user@host:port/dbname"
     )
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password (in the user part or a ``password=`` query parameter),
+    and the password. Used so the password lives only in kombu's ``password`` field, which
+    Celery leaves out of ``inspect stats`` and banners."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url, None
+    password = parts.password
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}@{host}"
+    query = parts.query
+    if "password=" in query:
+        kept = []
+        for item in query.split("&"):
+            key, _, value = item.partition("=")
+            if key == "password":
+                password = unquote(value)
+            else:
+                kept.append(item)
+        query = "&".join(kept)
+    if password is None:
+        return url, None
+    return urlunsplit(parts._replace(netloc=netloc, query=query)), unquote(password)
 
 
 def mask_password(url: str, mask: str = "**") -> str:

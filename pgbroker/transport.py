@@ -37,6 +37,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
 import uuid6
@@ -599,7 +600,16 @@ class Transport(virtual.Transport):
     def _conninfo(client: Any) -> str:
         hostname = client.hostname or "localhost"
         if "://" in hostname:
-            return _db.libpq_url(hostname)
+            # Keep the password out of the URL kombu shows (inspect stats prints the hostname):
+            # it moves to kombu's password field, which Celery never prints.
+            bare, password = _db.split_password(hostname)
+            if password is not None:
+                client.hostname = bare
+                client.password = client.password or password
+            url = _db.libpq_url(client.hostname)
+            if client.password:
+                return psycopg.conninfo.make_conninfo(url, password=client.password)
+            return url
         if "=" in hostname:  # a key=value conninfo string
             return hostname
         dbname = client.virtual_host if client.virtual_host not in (None, "", "/") else None
@@ -618,7 +628,15 @@ class Transport(virtual.Transport):
         return psycopg.__version__
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        shown = uri if include_password else _db.mask_password(uri, mask)
+        shown = _db.mask_password(uri, mask)
+        if include_password and self.client.password:
+            bare = urlsplit(uri)
+            user, _, host = bare.netloc.rpartition("@")
+            netloc = f"{user.split(':')[0]}:{quote(self.client.password, safe='')}@{host}" \
+                if user else bare.netloc
+            shown = urlunsplit(bare._replace(netloc=netloc))
+        elif include_password:
+            shown = uri
         prefix = getattr(self.client, "uri_prefix", None)  # pgbroker+postgresql://...
         return f"{prefix}+{shown}" if prefix else shown
 
