@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -30,7 +29,7 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 
-_SCHEMES = ("pgbroker+postgresql://", "pgbroker+postgres://", "pgbroker://")
+_SCHEMES = ("pgbroker+postgresql", "pgbroker+postgres", "pgbroker")
 
 _KEEPALIVES = {
     "keepalives": 1,
@@ -44,10 +43,10 @@ def libpq_url(url: str) -> str:
     """Turn a ``pgbroker://`` or ``pgbroker+postgresql://`` URL into a libpq URL."""
     if not isinstance(url, str) or not url:
         raise ConfigurationError("the broker URL is empty")
-    for prefix in _SCHEMES:
-        if url.startswith(prefix):
-            return "postgresql://" + url[len(prefix):]
-    if url.startswith(("postgresql://", "postgres://")):
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in _SCHEMES:
+        return "postgresql://" + rest
+    if sep and scheme.lower() in ("postgresql", "postgres"):
         return url
     if "://" not in url:  # a libpq key=value conninfo string
         return url
@@ -85,16 +84,27 @@ def split_password(url: str) -> tuple[str, str | None]:
 
 
 def mask_password(url: str, mask: str = "**") -> str:
-    """The URL with its password (if any) replaced by ``mask``."""
+    """``url`` (a URL or a key=value conninfo) with every password replaced by ``mask``."""
+    if "://" not in url:  # key=value: libpq's own parser finds it, quoted or not
+        try:
+            params = psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.ProgrammingError:
+            return "<unparsable conninfo>"
+        if "password" not in params:
+            return url
+        return psycopg.conninfo.make_conninfo(**{**params, "password": mask})
     try:
         parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            userinfo, host = netloc.rsplit("@", 1)
+            netloc = f"{userinfo.split(':', 1)[0]}:{mask}@{host}"
+        query = "&".join(
+            f"password={mask}" if item.partition("=")[0] == "password" else item
+            for item in parts.query.split("&")) if parts.query else ""
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
     except ValueError:
         return "<unparsable URL>"
-    if parts.password is None:
-        return re.sub(r"(password=)\S+", rf"\g<1>{mask}", url)
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:{mask}@{netloc[1]}"))
 
 
 def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 10.0,

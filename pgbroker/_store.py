@@ -132,11 +132,13 @@ class Store:
         self._lock = threading.Lock()
         self._exec_lock = threading.RLock()
         self._sync: bool | None = None  # the connection's synchronous_commit, as last set
+        self._pid = os.getpid()
 
     # -- connection ------------------------------------------------------------------------------
 
     def connect(self) -> psycopg.Connection[Any]:
         """Open the connection (migrating or checking the schema first); idempotent."""
+        self._check_fork()
         with self._lock:
             if _db.owned(self._conn):
                 assert self._conn is not None
@@ -160,7 +162,18 @@ class Store:
             return self.connect()
         return conn
 
+    def _check_fork(self) -> None:
+        """In a forked child: new locks (a parent thread may have held them at the fork) and
+        no connection (the parent's session is not ours to use or close)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._exec_lock = threading.RLock()
+            self._conn = None
+            self._sync = None
+
     def close(self) -> None:
+        self._check_fork()
         with self._lock:
             _db.close(self._conn)
             self._conn = None
@@ -171,6 +184,7 @@ class Store:
         requeue), which commits without waiting for the WAL flush unless ``durable_acks``."""
         sync = self.settings.durable_acks if not durable else (
             self.settings.durable_publish if name in _PUBLISHES else True)
+        self._check_fork()
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
             if self._sync is not sync:

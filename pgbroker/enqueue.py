@@ -188,7 +188,7 @@ class _Target:
 
     def __init__(self, db: Db):
         self.db = db
-        self.raw = isinstance(db, psycopg.Connection)
+        self.raw = not type(db).__module__.startswith("sqlalchemy.")  # no SQLAlchemy events
         self._jobs: list[tuple[Settings, NewJob]] = []
         _driver_connection(db)  # refuse an unsupported db now, not at the first publish
 
@@ -431,6 +431,10 @@ def _driver_connection(db: Db) -> psycopg.Connection[Any]:
     """The psycopg connection under ``db``, inside the caller's (SQLAlchemy) transaction."""
     if isinstance(db, psycopg.Connection):
         return db
+    if type(db).__module__.startswith("django."):
+        from .contrib.django import driver_connection
+
+        return driver_connection(db)
     if type(db).__module__.startswith("sqlalchemy."):
         from sqlalchemy.engine import Connection
         from sqlalchemy.orm import Session, scoped_session
@@ -449,8 +453,8 @@ def _driver_connection(db: Db) -> psycopg.Connection[Any]:
                 f"pgbroker needs the psycopg 3 driver, but this SQLAlchemy connection uses "
                 f"{db.dialect.name}+{db.dialect.driver}: create the engine with a "
                 "postgresql+psycopg:// URL")
-    raise TypeError("pgbroker needs a SQLAlchemy Session or Connection or a psycopg 3 "
-                    f"Connection (synchronous), not {type(db).__module__}.{type(db).__name__}")
+    raise TypeError("pgbroker needs a SQLAlchemy Session or Connection, a Django connection or "
+                    f"a psycopg 3 Connection (synchronous), not {type(db).__module__}.{type(db).__name__}")
 
 
 def _write(conn: psycopg.Connection[Any], jobs: Sequence[tuple[Settings, NewJob]],

@@ -68,6 +68,11 @@ TRANSIENT = 1  # AMQP delivery_mode of messages that need not survive (replies, 
 #: Seconds a process trusts what it read of an exchange's bindings before reading them again.
 BINDINGS_TTL = 1.0
 
+#: Why a delivery came back through reject(requeue=True): Celery gives no reason, and this is
+#: what it means in a worker.
+REQUEUED = ("requeued by the worker: its pool process was lost (killed or out of memory, with "
+            "task_reject_on_worker_lost), or the task raised Reject(requeue=True)")
+
 #: Header carrying "<job id>/<attempt>" to the task (and so to the failure hook).
 DELIVERY_HEADER = "pgbroker_delivery"
 
@@ -185,6 +190,13 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
     )
 
 
+def _wait_readable(fd: int, timeout: float) -> bool:
+    """Wait until ``fd`` is readable (poll(2): select(2) fails on descriptors above 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(timeout * 1000))
+
+
 def _priority(message: dict[str, Any]) -> int:
     """AMQP priority 0-255 (higher runs first); anything else is the default, 0."""
     try:
@@ -230,6 +242,7 @@ class QoS(virtual.QoS):
                 # In the worker's event loop: sent with the next claim, or at the end of this
                 # loop turn at the latest. A crash before that only means a redelivery.
                 channel.pending_acks.append((job_id, attempt))
+                channel.transport.request_turn()
             else:
                 channel.store.ack([(job_id, attempt)], delete=transient)
         super().ack(delivery_tag)
@@ -241,11 +254,12 @@ class QoS(virtual.QoS):
         if delivery is not None:
             job_id, attempt, _ = delivery
             if requeue and reason is None:
-                channel.store.requeue([(job_id, attempt)])
+                channel.store.requeue([(job_id, attempt)], REQUEUED)
             else:
                 channel.store.bury(job_id, attempt,
                                    reason or "rejected by the consumer without requeue")
         self._quick_ack(delivery_tag)
+        channel.transport.request_turn()  # a prefetch slot is free
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Give every unacked delivery back in one statement (warm shutdown, recover)."""
@@ -410,6 +424,15 @@ class Channel(virtual.Channel):
     def _purge(self, queue: str) -> int:
         return self.store.purge(validate_queue_name(queue))
 
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        """Delete the queue, its bindings and its waiting messages, whoever bound it (kombu's
+        base class only deletes once per binding this process knows of)."""
+        if if_empty and self._size(queue):
+            return
+        super().queue_delete(queue, if_unused, if_empty, **kwargs)
+        self._delete(queue)
+
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         self.store.delete_queue(queue)
         self._declared.discard(queue)
@@ -438,8 +461,14 @@ class Channel(virtual.Channel):
         if no_ack:
             self._no_ack.add(queue)
         self._more = True
+        self.transport.request_turn()
         self.transport.schedule_due(self.store.next_due([queue]))
         return result
+
+    def basic_qos(self, prefetch_size: int = 0, prefetch_count: int = 0,
+                  apply_global: bool = False) -> None:
+        super().basic_qos(prefetch_size, prefetch_count, apply_global)
+        self.transport.request_turn()  # Celery raises the count for tasks with an eta
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
@@ -594,6 +623,8 @@ class Transport(virtual.Transport):
         self._due_entry: Any = None
         self._due_at: float | None = None
         self._due_dirty = False  # a scheduled job was published: recompute the next due time
+        self._wake: tuple[int, int] | None = None  # self-pipe waking the event loop for a turn
+        self._turn_requested = False
         self._last_poll = monotonic()
 
     @staticmethod
@@ -628,15 +659,14 @@ class Transport(virtual.Transport):
         return psycopg.__version__
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        shown = _db.mask_password(uri, mask)
-        if include_password and self.client.password:
-            bare = urlsplit(uri)
+        shown = uri if include_password else _db.mask_password(uri, mask)
+        password = self.client.password  # moved out of the URL by _conninfo
+        if password and "://" in uri:
+            bare = urlsplit(shown)
             user, _, host = bare.netloc.rpartition("@")
-            netloc = f"{user.split(':')[0]}:{quote(self.client.password, safe='')}@{host}" \
-                if user else bare.netloc
-            shown = urlunsplit(bare._replace(netloc=netloc))
-        elif include_password:
-            shown = uri
+            if user:
+                secret = quote(password, safe="") if include_password else mask
+                shown = urlunsplit(bare._replace(netloc=f"{user.split(':')[0]}:{secret}@{host}"))
         prefix = getattr(self.client, "uri_prefix", None)  # pgbroker+postgresql://...
         return f"{prefix}+{shown}" if prefix else shown
 
@@ -655,6 +685,10 @@ class Transport(virtual.Transport):
                 self.lease.close()
             _db.close(self._listener)
             self._listener = None
+            if self._wake is not None:
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
             self.store.close()
 
     def _listen(self) -> psycopg.Connection[Any]:
@@ -743,6 +777,7 @@ class Transport(virtual.Transport):
         if self.store.promote(queues):
             for channel in self.channels:
                 channel._more = True
+            self.request_turn()
         self.schedule_due(self._next_due_after_promote(queues))
 
     def _next_due_after_promote(self, queues: list[str]) -> float | None:
@@ -757,6 +792,7 @@ class Transport(virtual.Transport):
             channel._more = True
         if self._consumed_queues():
             self._on_due()
+        self.request_turn()
 
     # -- the event loop (Celery worker) ----------------------------------------------------------
 
@@ -765,11 +801,16 @@ class Transport(virtual.Transport):
         self._loop = loop
         listener = self._listen()
         loop.add_reader(listener.fileno(), self._on_readable)
-        loop.on_tick.add(self._on_tick)
+        if self._wake is None:
+            self._wake = os.pipe()
+            for fd in self._wake:
+                os.set_blocking(fd, False)
+        loop.add_reader(self._wake[0], self._on_wake)
         self._timers = [loop.call_repeatedly(self.settings.poll_interval, self._poll)]
         if self._due_at is not None:
             delay, self._due_at = self._due_at - monotonic(), None
             self.schedule_due(delay)
+        self.request_turn()
 
     def _unregister_loop(self) -> None:
         loop, self._loop = self._loop, None
@@ -780,25 +821,51 @@ class Transport(virtual.Transport):
                 channel.flush_acks()
             except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
                 logger.warning("pgbroker: acks not written: %s", exc)
-        loop.on_tick.discard(self._on_tick)
         for entry in self._timers + [self._due_entry]:
             if entry is not None:
                 entry.cancel()
         self._timers, self._due_entry, self._due_at = [], None, None
+        fds = [self._wake[0]] if self._wake else []
         if self._listener is not None and not self._listener.closed:
+            fds.append(self._listener.fileno())
+        for fd in fds:
             try:
-                loop.remove_reader(self._listener.fileno())
+                loop.remove_reader(fd)
             except Exception:  # noqa: BLE001 - the hub may already be reset
                 pass
-
-    def _on_readable(self) -> None:
-        self._read_notifications()
-        self._on_tick()
 
     @property
     def defer_acks(self) -> bool:
         """Acks wait for the end of the event-loop turn (only inside a worker's event loop)."""
         return self._loop is not None
+
+    def request_turn(self) -> None:
+        """Ask the event loop for a claim turn (after an ack, a QoS change, a timer).
+
+        The turn runs from a reader callback, never from ``hub.on_tick``: Celery's prefork pool
+        writes received tasks to its children from its own on_tick callback, and on_tick is an
+        unordered set, so a task delivered there could wait a whole poll timeout. A byte on a
+        pipe wakes the poller from any phase of the loop (``call_soon`` from the loop thread
+        does not)."""
+        if self._loop is not None and self._wake is not None and not self._turn_requested:
+            self._turn_requested = True
+            try:
+                os.write(self._wake[1], b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+
+    def _on_wake(self) -> None:
+        try:
+            while os.read(self._wake[0], 4096):  # type: ignore[index]
+                pass
+        except BlockingIOError:
+            pass
+        self._turn_requested = False
+        self._turn()
+
+    def _on_readable(self) -> None:
+        self._read_notifications()
+        self._turn()
 
     def _refresh_due(self) -> None:
         if self._due_dirty:
@@ -807,7 +874,8 @@ class Transport(virtual.Transport):
             if queues:
                 self.schedule_due(self.store.next_due(queues))
 
-    def _on_tick(self) -> None:
+    def _turn(self) -> None:
+        """One claim turn: deferred acks plus a claim per channel that may find something."""
         self._refresh_due()
         for channel in self.channels:
             if channel._more and channel._active_queues:
@@ -841,9 +909,8 @@ class Transport(virtual.Transport):
                 if now >= deadline:
                     raise socket.timeout()
                 wait = min(wait, deadline - now)
-            listener = self._listen()
-            readable, _, _ = select.select([listener.fileno()], [], [], max(wait, 0))
-            if readable and self._read_notifications():
+            if _wait_readable(self._listen().fileno(), max(wait, 0)) and \
+                    self._read_notifications():
                 return
 
     def verify_connection(self, connection: Any) -> bool:

@@ -1,0 +1,145 @@
+"""Fixtures and SQL look-ups shared by the end-to-end and chaos tests (real ``celery worker``s).
+
+Both test modules import the fixtures from here (``from tests.e2e.support import ...``), so the
+chaos tests in ``tests/chaos`` use the same producer set-up as ``tests/e2e``.
+
+The producer is ``tests.e2e.app.app`` itself, pointed at the test's database: its connection pool
+is dropped before and after each test, so no connection to an earlier test's (dropped) database
+is ever reused. Every figure a test reads (run times, latencies) comes from the database clock.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from kombu import pools
+from psycopg.rows import dict_row
+
+from tests.e2e import app as e2e
+from tests.helpers import WorkerProcess, run_worker, wait_for
+
+__all__ = [
+    "job",
+    "jobs_by_state",
+    "key_runs",
+    "owner_of",
+    "percentile",
+    "point_producer",
+    "producer",
+    "runs",
+    "start_worker",
+    "wait_done",
+    "wait_state",
+]
+
+#: Transport options that make leases expire within seconds (heartbeat 1 s, sweep every second).
+SHORT_LEASE = {"lease_timeout": 3, "heartbeat_interval": 1, "sweep_interval": 1}
+
+
+def point_producer(app: Celery, broker_url: str, options: Mapping[str, Any] | None = None) -> None:
+    """Make ``app`` publish to ``broker_url`` with these transport options, from now on."""
+    _drop_pools(app)
+    app.conf.broker_url = broker_url
+    app.conf.broker_transport_options = dict(options or {})
+
+
+def _drop_pools(app: Celery) -> None:
+    if app._pool is not None:
+        app._pool.force_close_all()
+    app._pool = None
+    app.amqp._producer_pool = None
+    pools.reset()  # kombu's global producer pools are keyed by connection: forget them too
+
+
+@pytest.fixture
+def runs(pg: psycopg.Connection) -> psycopg.Connection:
+    """The test database with ``public.runs`` (one row per task run) created; returns ``pg``."""
+    pg.execute(e2e.RUNS_DDL)
+    return pg
+
+
+@pytest.fixture
+def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
+    """``tests.e2e.app.app`` publishing into this test's database (default transport options)."""
+    point_producer(e2e.app, broker_url)
+    # Connect now, so a test's first publish is not slowed by connecting (and checking the
+    # schema): countdown tests compare the publish time with the row's created_at.
+    with e2e.app.producer_or_acquire() as warm:
+        warm.connection.ensure_connection(max_retries=3)
+        warm.channel  # noqa: B018 - opens the channel (the transport's store connection)
+    try:
+        yield e2e.app
+    finally:
+        _drop_pools(e2e.app)
+
+
+def start_worker(broker_url: str, *args: str, options: Mapping[str, Any] | None = None,
+                 ready: bool = True) -> WorkerProcess:
+    """A ``celery worker`` of ``tests.e2e.app`` (``-c 2`` unless ``args`` says otherwise) with
+    these transport options; waits for its ``ready.`` line unless ``ready`` is False."""
+    env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(dict(options))} if options else None
+    worker = run_worker("tests.e2e.app", broker_url, *args, env=env)
+    return worker.wait_ready(60) if ready else worker
+
+
+def key_runs(pg: psycopg.Connection, key: str) -> list[dict[str, Any]]:
+    """The runs recorded under ``key``, oldest first."""
+    return pg.cursor(row_factory=dict_row).execute(
+        "SELECT * FROM public.runs WHERE key = %s ORDER BY n", (key,)).fetchall()
+
+
+def job(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:
+    """The (single) job row of a Celery task id, with the database's ``now()`` as ``db_now``."""
+    rows = pg.cursor(row_factory=dict_row).execute(
+        "SELECT *, now() AS db_now FROM pgbroker.jobs WHERE task_id = %s ORDER BY retries",
+        (task_id,)).fetchall()
+    assert len(rows) == 1, f"expected one job row for task id {task_id}, found {len(rows)}"
+    return rows[0]
+
+
+def wait_state(pg: psycopg.Connection, task_id: str, state: str,
+               timeout: float = 60) -> dict[str, Any]:
+    """Wait until the job of ``task_id`` is in ``state``; return its row."""
+    return wait_for(lambda: (row := job(pg, task_id))["state"] == state and row, timeout,
+                    interval=0.05, message=lambda: f"job {task_id} to be {state} "
+                    f"(it is {job(pg, task_id)['state']})")
+
+
+def jobs_by_state(pg: psycopg.Connection) -> dict[str, int]:
+    """``{state: count}`` over every job row."""
+    return dict(pg.execute("SELECT state, count(*) FROM pgbroker.jobs GROUP BY state").fetchall())
+
+
+def wait_done(pg: psycopg.Connection, keys: list[str], timeout: float) -> None:
+    """Wait until every key has a ``<key>:done`` run (a ``nap`` that finished)."""
+    wanted = [k + ":done" for k in keys]
+
+    def missing() -> int:
+        row = pg.execute("SELECT count(DISTINCT key) FROM public.runs WHERE key = ANY(%s)",
+                         (wanted,)).fetchone()
+        return len(wanted) - row[0]
+
+    wait_for(lambda: missing() == 0, timeout, interval=0.1,
+             message=lambda: f"every nap to finish ({missing()} of {len(wanted)} missing)")
+
+
+def owner_of(pid: int, *workers: WorkerProcess) -> WorkerProcess:
+    """The worker whose pool child (or main process) has ``pid``."""
+    for worker in workers:
+        if pid == worker.pid or pid in worker.child_pids():
+            return worker
+    raise AssertionError(f"pid {pid} belongs to none of {workers}")
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """The ``pct`` percentile (nearest rank on the sorted values)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[int(pct) - 1]

@@ -1,0 +1,122 @@
+"""Unit tests of pgbroker.settings: transport options -> one frozen, validated Settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pgbroker.errors import ConfigurationError
+from pgbroker.settings import Settings
+
+INTEGER_OPTIONS = ("max_attempts", "claim_batch_max", "prune_batch_size", "max_message_size")
+SECONDS_OPTIONS = ("retention", "lease_timeout", "heartbeat_interval", "sweep_interval",
+                   "poll_interval", "connect_timeout")
+
+
+def test_defaults_are_valid_and_documented_values() -> None:
+    s = Settings.from_options(None)
+    assert s == Settings() == Settings.from_options({})
+    assert s.schema == "pgbroker"
+    assert s.auto_migrate is True
+    assert s.max_attempts == 5
+    assert s.lease_timeout >= 2 * s.heartbeat_interval
+    assert s.require_idempotency_key == frozenset()
+    assert s.channel == "pgbroker.jobs"
+
+
+def test_options_are_applied() -> None:
+    s = Settings.from_options({"schema": "app_queue", "max_attempts": 3, "retention": 0,
+                               "lease_timeout": 4, "heartbeat_interval": 2})
+    assert (s.schema, s.max_attempts, s.retention) == ("app_queue", 3, 0)
+    assert s.channel == "app_queue.jobs"
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Settings().max_attempts = 9  # type: ignore[misc]
+
+
+def test_unknown_option_names_the_closest_known_one() -> None:
+    with pytest.raises(ConfigurationError, match="'max_attempt'.*did you mean 'max_attempts'"):
+        Settings.from_options({"max_attempt": 3})
+
+
+def test_unknown_option_without_a_close_match() -> None:
+    with pytest.raises(ConfigurationError, match="unknown pgbroker transport option 'zzz'") as info:
+        Settings.from_options({"zzz": 1})
+    assert "did you mean" not in str(info.value)
+
+
+def test_configuration_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        Settings.from_options({"nope": 1})
+
+
+@pytest.mark.parametrize("option", ["polling_interval", "visibility_timeout", "max_retries",
+                                    "interval_start", "confirm_publish", "body_encoding"])
+def test_options_read_by_kombu_or_celery_are_accepted_and_ignored(option: str) -> None:
+    assert Settings.from_options({option: 1}) == Settings()
+
+
+@pytest.mark.parametrize("schema", ["a", "_x", "app_queue_2", "a" * 48])
+def test_valid_schema_names(schema: str) -> None:
+    assert Settings(schema=schema).schema == schema
+
+
+@pytest.mark.parametrize("schema", ["", "Public", "1abc", 'a"b', "a b", "a-b", "a;drop",
+                                    "a" * 49, "é", None, 3])
+def test_invalid_schema_names_are_refused(schema: object) -> None:
+    with pytest.raises(ConfigurationError, match="not a valid pgbroker schema name"):
+        Settings(schema=schema)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("option", INTEGER_OPTIONS)
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "3", None])
+def test_integer_options_must_be_positive_integers(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{option} must be a positive integer"):
+        Settings.from_options({option: value})
+
+
+@pytest.mark.parametrize("option", SECONDS_OPTIONS)
+@pytest.mark.parametrize("value", [-1, -0.5, True, "5", None])
+def test_seconds_options_must_be_non_negative_numbers(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{option} must be a number of seconds"):
+        Settings.from_options({option: value})
+
+
+def test_seconds_options_accept_floats_and_zero_where_meaningful() -> None:
+    s = Settings.from_options({"retention": 0, "sweep_interval": 0, "poll_interval": 0.25,
+                               "lease_timeout": 1.5, "heartbeat_interval": 0.5})
+    assert (s.retention, s.sweep_interval, s.poll_interval) == (0, 0, 0.25)
+
+
+@pytest.mark.parametrize(("lease", "heartbeat"), [(9.9, 5), (1, 1), (10, 0)])
+def test_lease_must_outlast_two_heartbeats(lease: float, heartbeat: float) -> None:
+    with pytest.raises(ConfigurationError, match="lease_timeout"):
+        Settings.from_options({"lease_timeout": lease, "heartbeat_interval": heartbeat})
+
+
+def test_lease_of_exactly_two_heartbeats_is_accepted() -> None:
+    assert Settings(lease_timeout=10, heartbeat_interval=5).lease_timeout == 10
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("tasks.charge", frozenset({"tasks.charge"})),
+    (["a", "b", "a"], frozenset({"a", "b"})),
+    (("a",), frozenset({"a"})),
+    ([], frozenset()),
+])
+def test_require_idempotency_key_becomes_a_frozenset(given: object,
+                                                     expected: frozenset[str]) -> None:
+    assert Settings.from_options({"require_idempotency_key": given}).require_idempotency_key \
+        == expected
+
+
+@pytest.mark.parametrize("option", ["auto_migrate", "use_advisory_locks", "durable_publish",
+                                    "durable_acks"])
+@pytest.mark.parametrize("value", ["false", 0, 1, None])
+def test_boolean_options_refuse_non_booleans(option: str, value: object) -> None:
+    # the string 'false' from an environment variable must not silently mean True
+    with pytest.raises(ConfigurationError, match=f"{option} must be true or false"):
+        Settings.from_options({option: value})

@@ -1,0 +1,157 @@
+"""Unit tests of broker URL handling: pgbroker._db.libpq_url / mask_password and the
+conninfo the kombu Transport builds from a ``kombu.Connection`` (no connection is opened)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import kombu
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+import pgbroker  # noqa: F401 - registers the pgbroker:// scheme with kombu
+from pgbroker._db import libpq_url, mask_password
+from pgbroker.errors import ConfigurationError
+from pgbroker.transport import Transport
+
+SECRET = "s3cr3t"
+
+
+# -- libpq_url ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("pgbroker://u:p@h:5433/db", "postgresql://u:p@h:5433/db"),
+    ("pgbroker+postgresql://u@h/db?sslmode=require", "postgresql://u@h/db?sslmode=require"),
+    ("pgbroker+postgres://u@h/db", "postgresql://u@h/db"),
+    ("pgbroker://u@/db?host=/socket/dir", "postgresql://u@/db?host=/socket/dir"),
+    ("postgresql://u@h/db", "postgresql://u@h/db"),
+    ("postgres://u@h/db", "postgres://u@h/db"),
+    ("host=/tmp dbname=x", "host=/tmp dbname=x"),  # a key=value conninfo passes through
+    ("pgbroker://", "postgresql://"),              # every parameter from libpq's defaults
+])
+def test_libpq_url(given: str, expected: str) -> None:
+    assert libpq_url(given) == expected
+
+
+@pytest.mark.parametrize("bad", ["", None, 5])
+def test_libpq_url_refuses_an_empty_url(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match="empty"):
+        libpq_url(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [f"redis://u:{SECRET}@h:6379/0", f"mysql://u:{SECRET}@h/db",
+                                 f"amqp://u:{SECRET}@h//"])
+def test_libpq_url_refuses_other_schemes_without_showing_the_password(bad: str) -> None:
+    with pytest.raises(ConfigurationError, match="is not a PostgreSQL URL") as info:
+        libpq_url(bad)
+    assert SECRET not in str(info.value)
+def test_libpq_url_scheme_is_case_insensitive() -> None:
+    assert libpq_url("PGBROKER://u@h/db") == "postgresql://u@h/db"
+
+
+# -- mask_password --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("given", "expected"), [
+    (f"postgresql://u:{SECRET}@h/db", "postgresql://u:**@h/db"),
+    (f"pgbroker://u:{SECRET}@h:5433/db?sslmode=require", "pgbroker://u:**@h:5433/db?sslmode=require"),
+    (f"postgresql://u:p@{SECRET}@h/db", "postgresql://u:**@h/db"),  # '@' inside the password
+    (f"postgresql://:{SECRET}@h/db", "postgresql://:**@h/db"),
+    (f"postgresql://u:{SECRET}@[::1]:5432/db", "postgresql://u:**@[::1]:5432/db"),
+    (f"postgresql://u:{SECRET}@h1,h2:5433/db", "postgresql://u:**@h1,h2:5433/db"),
+    (f"postgresql://u:{SECRET}@/db?host=/socket/dir", "postgresql://u:**@/db?host=/socket/dir"),
+])
+def test_mask_password(given: str, expected: str) -> None:
+    assert mask_password(given) == expected
+
+
+def test_mask_password_of_a_key_value_conninfo() -> None:
+    masked = mask_password(f"host=h password={SECRET} dbname=d")
+    assert conninfo_to_dict(masked) == {"host": "h", "password": "**", "dbname": "d"}
+
+
+@pytest.mark.parametrize("url", ["postgresql://u@h/db", "postgresql://h/db", "host=h dbname=d",
+                                 "postgresql://u@/db?host=/socket/dir"])
+def test_mask_password_leaves_urls_without_password_unchanged(url: str) -> None:
+    assert mask_password(url) == url
+
+
+def test_mask_password_custom_mask() -> None:
+    assert mask_password(f"postgresql://u:{SECRET}@h/db", mask="***") == "postgresql://u:***@h/db"
+@pytest.mark.parametrize("given", [
+    f"host=h password='x {SECRET}' dbname=d",
+    f"host=h password = {SECRET} dbname=d",
+    f"postgresql://u:other@h/db?password={SECRET}",
+])
+def test_mask_password_never_leaks(given: str) -> None:
+    assert SECRET not in mask_password(given)
+
+
+# -- Transport._conninfo --------------------------------------------------------------------------
+
+def conninfo_of(*args: object, **kwargs: object) -> dict[str, str]:
+    """The libpq parameters the transport would connect with, for ``kombu.Connection(...)``."""
+    return conninfo_to_dict(Transport._conninfo(kombu.Connection(*args, **kwargs)))
+
+
+def test_kombu_resolves_the_pgbroker_scheme() -> None:
+    assert kombu.Connection("pgbroker://u@h/db").transport_cls == "pgbroker"
+    assert kombu.Connection("pgbroker+postgresql://u@h/db").transport_cls == "pgbroker"
+
+
+def test_conninfo_of_a_pgbroker_url() -> None:
+    assert conninfo_of(f"pgbroker://u:{SECRET}@db.example:5433/app") == {
+        "user": "u", "password": SECRET, "host": "db.example", "port": "5433", "dbname": "app"}
+
+
+def test_conninfo_of_a_full_libpq_url_after_the_plus() -> None:
+    params = conninfo_of("pgbroker+postgresql://u@h1:5432,h2:5433/app"
+                         "?target_session_attrs=read-write&sslmode=require")
+    assert params == {"user": "u", "host": "h1,h2", "port": "5432,5433", "dbname": "app",
+                      "target_session_attrs": "read-write", "sslmode": "require"}
+
+
+@pytest.mark.parametrize("url", ["pgbroker://postgres@/app?host=/socket/dir",
+                                 "pgbroker+postgresql://postgres@/app?host=/socket/dir"])
+def test_conninfo_of_a_url_with_empty_host_and_a_socket_directory(url: str) -> None:
+    assert conninfo_of(url) == {"user": "postgres", "dbname": "app", "host": "/socket/dir"}
+
+
+def test_conninfo_keeps_percent_encoded_passwords() -> None:
+    assert conninfo_of("pgbroker://u:p%40ss%2Fw@h/db")["password"] == "p@ss/w"
+
+
+def test_conninfo_of_an_empty_pgbroker_url_is_libpq_defaults() -> None:
+    assert conninfo_of("pgbroker://") == {}
+
+
+def test_conninfo_from_separate_connection_arguments() -> None:
+    params = conninfo_of(hostname="h", port=5433, userid="u", password=SECRET,
+                         virtual_host="app", transport="pgbroker")
+    assert params == {"host": "h", "port": "5433", "user": "u", "password": SECRET,
+                      "dbname": "app"}
+
+
+def test_conninfo_without_a_database_name_uses_libpq_default() -> None:
+    params = conninfo_of(hostname="h", transport="pgbroker")
+    assert params.get("dbname") in (None, "")
+
+
+def test_conninfo_passes_a_key_value_string_through() -> None:
+    client = SimpleNamespace(hostname="host=/socket/dir dbname=app user=u", port=None,
+                             userid=None, password=None, virtual_host=None)
+    assert Transport._conninfo(client) == "host=/socket/dir dbname=app user=u"
+
+
+@pytest.mark.parametrize("url", [f"pgbroker://u:{SECRET}@h:5433/db",
+                                 f"pgbroker+postgresql://u:{SECRET}@h:5433/db?sslmode=require"])
+def test_as_uri_hides_the_password_and_keeps_the_scheme(url: str) -> None:
+    conn = kombu.Connection(url)
+    shown = conn.as_uri()
+    assert SECRET not in shown
+    assert shown.startswith(url.split("://")[0] + "://u")  # still names this transport
+    assert kombu.Connection(shown).transport_cls == "pgbroker"
+    assert conn.as_uri(include_password=True) == url
+    assert SECRET not in repr(conn)
+def test_as_uri_marks_where_the_password_was() -> None:
+    # kombu's convention (amqp://guest:**@host//): the reader sees that a password is set
+    assert kombu.Connection(f"pgbroker://u:{SECRET}@h/db").as_uri() == "pgbroker://u:**@h/db"
