@@ -1,0 +1,608 @@
+"""pgbroker result backend: Celery task results in PostgreSQL, and chords without polling.
+
+Features
+========
+* Results in their own tables of the pgbroker schema (``results``, ``result_groups``,
+  ``result_chords``), never in the ``jobs`` row; ``result_extended`` fields in columns.
+* ``AsyncResult.get()`` is woken by LISTEN/NOTIFY on the channel ``<schema>.results`` (payload:
+  the task id), not by polling. Waiters still re-read what they wait for every ``poll_interval``
+  seconds, in case a notification was lost (PgBouncer transaction pooling does not carry LISTEN).
+* Chords count their header tasks with an atomic counter (one upsert per finished header task,
+  each task counted once even when it runs twice) and the task that completes the count
+  publishes the callback: no ``celery.chord_unlock`` task ever polls.
+* ``result_expires`` (and ``result_failure_expires``): an expired result is invisible at once and
+  deleted by :meth:`DatabaseBackend.cleanup` in small batches (Celery beat schedules it daily
+  as ``celery.backend_cleanup``).
+
+Connection String
+=================
+.. code-block:: python
+
+    result_backend = "pgbroker://USER:PASSWORD@HOST:PORT/DBNAME"
+    result_backend = "pgbroker+postgresql://USER:PASSWORD@HOST:PORT/DBNAME"
+
+The ``pgbroker`` alias comes from the ``celery.result_backends`` entry point (setup.cfg). Without
+the installed entry point, name the class: ``"pgbroker.backend:DatabaseBackend+postgresql://..."``.
+
+Transport Options
+=================
+``result_backend_transport_options`` takes the broker's options (:class:`pgbroker.Settings`,
+validated alike: unknown options are an error) and reads ``schema`` (default: the broker's
+``schema`` option when the broker is pgbroker, else ``"pgbroker"``), ``auto_migrate`` (True),
+``connect_timeout`` (10 s), ``poll_interval`` (5 s: the waiters' safety re-read) and
+``prune_batch_size`` (1000 rows per clean-up statement). Isolate applications by schema: Celery's
+``global_keyprefix`` is refused as an unknown option.
+
+Limits
+======
+* One connection per process for reads and writes (psycopg serialises threads on it), plus one
+  LISTEN connection in processes that wait on results. Both are reopened after ``fork()``.
+* The chord callback is published by the worker that finished the last header task, after the
+  header results are written and outside their transaction. If that worker dies between its
+  claim and the publish, the next run of a header task (acks_late redelivery) re-claims the
+  callback once the claim is older than ``max(10, 2 * result_chord_join_timeout)`` seconds; a
+  callback published twice that way is deduplicated by the pgbroker broker (same task id), not
+  by another broker.
+* Storing a result and acking its job in one transaction is not done (see below).
+
+Result and ack in one transaction (not implemented)
+===================================================
+Today the result is committed by the pool process, then the job is acked (``job_ack``) by the
+worker's main process: a crash in between redelivers a task whose SUCCESS is stored (and kept:
+a stored SUCCESS is never overwritten). Doing both at once would need: an opt-in option (the
+broker and the backend must share the database and schema); the delivery's identity, which the
+transport already puts in ``request.delivery_info`` (``pgbroker_job_id``, ``pgbroker_attempt``);
+``_store_result`` running ``result_set`` and the core ``job_ack`` (``job_ack_delete`` when the
+broker's ``retention`` is 0) in one ``conn.transaction()``, for SUCCESS always and for FAILURE
+only when ``task_acks_on_failure_or_timeout`` is on, and only with ``task_acks_late``; the later
+ack from the main process then matches no ``running`` row and changes nothing, as today.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta, timezone
+from time import monotonic
+from typing import Any, NamedTuple
+
+import psycopg
+from celery import states
+from celery.backends.asynchronous import AsyncBackendMixin, BaseResultConsumer
+from celery.backends.base import (
+    BaseKeyValueStoreBackend,
+    _create_chord_error_with_cause,
+)
+from celery.canvas import maybe_signature
+from celery.exceptions import BackendStoreError, ChordError
+from celery.result import GroupResult, allow_join_result
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps as json_dumps
+
+from . import _db
+from ._store import Store, queries
+from .errors import ConfigurationError, DatabaseUnavailable
+from .settings import Settings
+
+__all__ = ["DatabaseBackend", "ResultConsumer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChordPart(NamedTuple):
+    """What ``result_chord_part_return`` says about a chord after counting one header task."""
+
+    done: int
+    total: int | None
+    claimed: bool
+    dispatched: bool
+
+
+class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
+    """Celery result backend over PostgreSQL (see the module docstring)."""
+
+    #: Counts chord parts atomically: Celery takes the ``on_chord_part_return`` path and never
+    #: sends ``celery.chord_unlock``.
+    implements_incr = True
+    supports_native_join = True
+    #: Expiry needs :meth:`cleanup`: beat schedules ``celery.backend_cleanup`` for it.
+    supports_autoexpire = False
+    supports_result_compression = True  # bytea keeps any bytes
+    supports_failure_expires = True
+    persistent = True
+
+    def __init__(self, app: Any, url: str | None = None, **kwargs: Any):
+        super().__init__(app, url=url, **kwargs)
+        conf = self.app.conf
+        failure_expires = conf.get("result_failure_expires")
+        self.failure_expires = (self.expires if failure_expires is None
+                                else self.prepare_expires(failure_expires))
+        broker_url = str(conf.broker_url or "")
+        if not url:
+            if not broker_url.startswith("pgbroker"):
+                raise ConfigurationError(
+                    "the pgbroker result backend needs a database URL: "
+                    "result_backend = 'pgbroker://user@host/dbname'")
+            url = broker_url
+        self.url = url
+        default_schema = None
+        if broker_url.startswith("pgbroker"):
+            default_schema = (conf.broker_transport_options or {}).get("schema")
+        options = dict(conf.get("result_backend_transport_options") or {})
+        if default_schema and "schema" not in options:
+            options["schema"] = default_schema
+        #: The broker's option set, validated alike (unknown options are an error); the backend
+        #: reads schema, auto_migrate, connect_timeout, poll_interval and prune_batch_size.
+        self.options = Settings.from_options(options)
+        self.channel = f"{self.options.schema}.results"
+        self.conninfo = _db.libpq_url(url)
+        self.q = queries(self.options.schema)
+        self.connection_errors = _db.CONNECTION_ERRORS
+        join_timeout = conf.result_chord_join_timeout or 5.0
+        self.chord_reclaim_after = timedelta(seconds=max(10.0, 2 * float(join_timeout)))
+        # The core Store owns connecting: migrating (or checking) the schema first, reopening
+        # after fork; this backend only runs its own statements on Store.conn.
+        self._store = Store(self.conninfo, self.options, application_name="pgbroker results")
+        self.result_consumer = ResultConsumer(self, self.app, self.accept,
+                                              self._pending_results, self._pending_messages)
+
+    def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        return super().__reduce__(args, dict(kwargs or {}, url=self.url))
+
+    def as_uri(self, include_password: bool = False) -> str:
+        return self.url if include_password else _db.mask_password(self.url)
+
+    def close(self) -> None:
+        """Close this process's connections (they reopen on next use)."""
+        self.result_consumer.stop()
+        self._store.close()
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        """Connection losses are retried when ``result_backend_always_retry`` is on."""
+        return isinstance(exc, self.connection_errors)
+
+    # -- statements ------------------------------------------------------------------------------
+
+    def _run(self, name: str, params: Mapping[str, Any], *, retry: bool = True
+             ) -> psycopg.Cursor[Any]:
+        """Run one named statement (its own transaction). A connection found broken (a database
+        restart since the last use) is replaced and the statement sent once more when ``retry``
+        (every statement is idempotent but ``incr``)."""
+        while True:
+            conn = self._store.conn
+            try:
+                with _db.translate_errors(f"pgbroker result backend ({name})"):
+                    return conn.cursor(binary=True).execute(self.q[name], params)
+            except DatabaseUnavailable:
+                if not (conn.broken or conn.closed):
+                    raise
+                self._store.close()
+                if not retry:
+                    raise
+                retry = False
+
+    def _split_key(self, key: str | bytes) -> tuple[str, str]:
+        """("task" | "group" | "chord", id) of a key made by ``get_key_for_*``."""
+        raw = self.key_t(key)
+        for kind, prefix in (("task", self.task_keyprefix), ("group", self.group_keyprefix),
+                             ("chord", self.chord_keyprefix)):
+            if raw.startswith(prefix):
+                return kind, bytes_to_str(raw[len(prefix):])
+        raise ValueError(f"pgbroker result backend: {bytes_to_str(raw)!r} is not a task, "
+                         "group or chord key")
+
+    # -- the key/value interface -----------------------------------------------------------------
+
+    def get(self, key: str | bytes) -> bytes | None:
+        kind, ident = self._split_key(key)
+        if kind == "task":
+            row = self._run("result_get", {"task_id": ident}).fetchone()
+        elif kind == "group":
+            row = self._run("result_group_get", {"group_id": ident}).fetchone()
+        else:
+            row = self._run("result_chord_get", {"group_id": ident}).fetchone()
+            return None if row is None else str(row[0]).encode()
+        return None if row is None else bytes(row[0])
+
+    def mget(self, keys: Iterable[str | bytes]) -> list[bytes | None]:
+        keys = list(keys)
+        split = [self._split_key(k) for k in keys]
+        found = self._payloads({ident for kind, ident in split if kind == "task"})
+        return [found.get(ident) if kind == "task" else self.get(key)
+                for key, (kind, ident) in zip(keys, split)]
+
+    def _payloads(self, task_ids: Iterable[str]) -> dict[str, bytes]:
+        """The stored payloads of these task ids (one statement)."""
+        ids = list(task_ids)
+        if not ids:
+            return {}
+        rows = self._run("result_get_many", {"task_ids": ids}).fetchall()
+        return {task_id: bytes(payload) for task_id, payload in rows}
+
+    def set(self, key: str | bytes, value: str | bytes, expires: float | None = None) -> None:
+        kind, ident = self._split_key(key)
+        expires = self.expires if expires is None else expires
+        if kind == "task":
+            self._set_task(ident, value, self.decode(value), expires)
+        elif kind == "group":
+            self._run("result_group_set", {"group_id": ident, "payload": _bytes(value),
+                                           "content_type": self.content_type,
+                                           "ttl": _ttl(expires)})
+        else:
+            raise ValueError("chord counters are changed with incr(), not set()")
+
+    def _set_with_state(self, key: str | bytes, value: str | bytes, state: str) -> None:
+        if state == states.FAILURE:
+            return self.set(key, value, expires=self.failure_expires)
+        return self.set(key, value)
+
+    def delete(self, key: str | bytes) -> None:
+        kind, ident = self._split_key(key)
+        name = {"task": "result_delete", "group": "result_group_delete",
+                "chord": "result_chord_delete"}[kind]
+        self._run(name, {"task_id" if kind == "task" else "group_id": ident})
+
+    def incr(self, key: str | bytes) -> int:
+        kind, ident = self._split_key(key)
+        if kind != "chord":
+            raise ValueError(f"only chord counters can be incremented, not a {kind} key")
+        row = self._run("result_chord_incr", {"group_id": ident}, retry=False).fetchone()
+        return int(row[0])
+
+    def expire(self, key: str | bytes, value: float | None) -> None:
+        kind, ident = self._split_key(key)
+        name = {"task": "result_expire", "group": "result_group_expire",
+                "chord": "result_chord_expire"}[kind]
+        self._run(name, {"task_id" if kind == "task" else "group_id": ident, "ttl": _ttl(value)})
+
+    # -- task results ----------------------------------------------------------------------------
+
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: str | None = None,
+                      request: Any = None, **kwargs: Any) -> Any:
+        # Celery's generic version reads the stored state first and writes after; here the
+        # "never overwrite a SUCCESS" rule is part of the one upsert (result_set).
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        try:
+            self._set_task(meta["task_id"], self.encode(meta), meta, expires)
+        except psycopg.errors.ProgramLimitExceeded as exc:
+            raise BackendStoreError(f"result too large for PostgreSQL: {exc}", state=state,
+                                    task_id=task_id) from exc
+        return result
+
+    def _set_task(self, task_id: str, payload: str | bytes, meta: Mapping[str, Any],
+                  expires: float | None) -> None:
+        if "\x00" in task_id:
+            raise ValueError(f"task id {task_id!r} contains a NUL byte, which PostgreSQL "
+                             "text cannot store")
+        self._run("result_set", {
+            "task_id": task_id,
+            "status": meta["status"],
+            "payload": _bytes(payload),
+            "content_type": self.content_type,
+            "result": _json_or_none(meta.get("result")),
+            "traceback": _text(meta.get("traceback")),
+            "date_done": _timestamp(meta.get("date_done")),
+            "name": _text(meta.get("name")),
+            "args": _json_or_none(meta.get("args")),
+            "kwargs": _json_or_none(meta.get("kwargs")),
+            "worker": _text(meta.get("worker")),
+            "retries": meta.get("retries") if isinstance(meta.get("retries"), int) else None,
+            "queue": _text(meta.get("queue")),
+            "group_id": _text(meta.get("group_id")),
+            "parent_id": _text(meta.get("parent_id")),
+            "ttl": _ttl(expires),
+            "channel": self.channel,
+        })
+
+    def on_task_call(self, producer: Any, task_id: str) -> None:
+        """Nothing to subscribe at publish: a waiter listens when it starts waiting, and reads
+        the result once after LISTEN, so nothing stored in between is missed."""
+
+    # -- chords ----------------------------------------------------------------------------------
+
+    def _apply_chord_incr(self, header_result_args: Any, body: Any, **kwargs: Any) -> None:
+        # Runs before any header task is published: a frozen chord applied again reuses its
+        # group id, and must not inherit the earlier run's counter or "dispatched" marker.
+        group_id = header_result_args[0]
+        self._run("result_chord_delete", {"group_id": group_id})
+        super()._apply_chord_incr(header_result_args, body, **kwargs)
+
+    def set_chord_size(self, group_id: str, chord_size: int) -> None:
+        self._run("result_chord_size_set", {"group_id": group_id, "size": chord_size,
+                                            "ttl": _ttl(self.chord_expires)})
+
+    def add_to_chord(self, group_id: str, result: Any) -> None:
+        self._run("result_chord_add", {"group_id": group_id}, retry=False)
+
+    def _chord_part(self, request: Any, size: int | None, token: uuid.UUID) -> ChordPart:
+        index = request.group_index
+        row = self._run("result_chord_part_return", {
+            "group_id": request.group, "task_id": request.id,
+            "group_index": index if isinstance(index, int) else -1, "size": size,
+            "token": token, "ttl": _ttl(self.chord_expires),
+            "keep": _ttl(self._chord_result_expires),
+            "reclaim_after": self.chord_reclaim_after,
+        }).fetchone()
+        return ChordPart(int(row[0]), None if row[1] is None else int(row[1]), bool(row[2]),
+                         bool(row[3]))
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any,
+                             **kwargs: Any) -> None:
+        """Count a finished header task; the one that completes the chord publishes the body."""
+        gid = request.group
+        if not gid or not request.chord:
+            return
+        app = self.app
+        callback = maybe_signature(request.chord, app=app)
+        token = uuid.uuid4()
+        part = self._chord_part(request, request.chord.get("chord_size"), token)
+        if part.total is None and not part.dispatched:
+            # Celery did not tell the size (set_chord_size): the saved header knows it.
+            deps = GroupResult.restore(gid, backend=self)
+            if deps is None:
+                return self._fail_chord(gid, callback, ChordError(
+                    f"GroupResult {gid} no longer exists"))
+            part = self._chord_part(request, len(deps), token)
+        if part.dispatched or not part.claimed:
+            return
+        try:
+            self._dispatch_chord(gid, callback)
+        finally:
+            self._run("result_chord_dispatched", {"group_id": gid, "token": token})
+
+    def _dispatch_chord(self, gid: str, callback: Any) -> None:
+        """Join the header (every result is stored by now) and publish the callback.
+
+        The saved header group is kept (it expires with the chord), so that a take-over of a
+        stale claim can join it again.
+        """
+        app = self.app
+        deps = GroupResult.restore(gid, backend=self)
+        if deps is None:
+            self._fail_chord(gid, callback, ChordError(f"GroupResult {gid} no longer exists"))
+            return
+        try:
+            with allow_join_result():
+                ret = deps.join_native(timeout=app.conf.result_chord_join_timeout,
+                                       propagate=True)
+        except Exception as exc:  # noqa: BLE001 - any header failure fails the chord
+            culprit = next(deps._failed_join_report(), None)
+            reason = f"Dependency {culprit.id} raised {exc!r}" if culprit else repr(exc)
+            self._fail_chord(gid, callback,
+                             _create_chord_error_with_cause(message=reason, original_exc=exc))
+            return
+        try:
+            app.amqp._retry_publish(callback.delay, ret)
+        except Exception as exc:  # noqa: BLE001 - the body is failed, never left waiting
+            self._fail_chord(gid, callback, _create_chord_error_with_cause(
+                message=f"Callback error: {exc!r}", original_exc=exc))
+
+    def _fail_chord(self, gid: str, callback: Any, exc: ChordError) -> Any:
+        """Mark the body failed and call its errbacks (Celery's ``chord_error_from_stack``,
+        which reads the exception being handled: hence the raise)."""
+        logger.error("Chord %r failed: %s", gid, exc)
+        try:
+            raise exc
+        except ChordError:
+            return self.chord_error_from_stack(callback, exc)
+
+    # -- expiry ----------------------------------------------------------------------------------
+
+    def cleanup(self, now: datetime | None = None) -> int:
+        """Delete expired results, groups and chord counters in small batches; return how many.
+
+        Celery beat runs it daily as ``celery.backend_cleanup``. ``now`` lets tests move the
+        clock instead of sleeping.
+        """
+        limit = self.options.prune_batch_size
+        total = 0
+        for name in ("result_cleanup", "result_group_cleanup", "result_chord_cleanup"):
+            while True:
+                cur = self._run(name, {"now": now, "limit": limit})
+                row = cur.fetchone() if cur.description else None
+                deleted = int(row[0]) if row else cur.rowcount
+                total += deleted
+                if deleted < limit:
+                    break
+        if total:
+            logger.info("pgbroker result backend: deleted %d expired row(s)", total)
+        return total
+
+
+class ResultConsumer(BaseResultConsumer):
+    """Wakes ``AsyncResult.get()`` waiters with LISTEN/NOTIFY.
+
+    One LISTEN connection per process, opened when a waiter first has to wait. Every
+    notification carries a task id; the ids someone waits for are read back in one statement.
+    Right after LISTEN (first use, reconnect) and every ``poll_interval`` seconds, all pending
+    ids are re-read: a result stored before LISTEN, or whose notification was lost, is found.
+    """
+
+    backend: DatabaseBackend
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._subscribed: set[str] = set()
+        self._listener: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._last_read = monotonic()
+
+    def start(self, initial_task_id: str, **kwargs: Any) -> None:
+        self.consume_from(initial_task_id)
+
+    def stop(self) -> None:
+        listener, self._listener = self._listener, None
+        _db.close(listener)
+
+    def on_after_fork(self) -> None:
+        self._forget_parent()
+        super().on_after_fork()
+
+    def _forget_parent(self) -> None:
+        """In a forked child: the LISTEN connection is the parent's (``_db.close`` leaves it
+        alone), and the lock may be held by a parent thread that did not survive the fork.
+        Celery does not call ``on_after_fork`` for every backend, so draining checks too.
+        The ids waited for are kept: the child may have added its own before its first drain."""
+        self._pid = os.getpid()
+        self._listener = None
+        self._lock = threading.Lock()
+
+    # set.add/discard are atomic: no lock, so that AsyncResult.__del__ (garbage collection, in
+    # any thread, maybe while this thread drains) can never block.
+    def consume_from(self, task_id: str) -> None:
+        self._subscribed.add(task_id)
+
+    def cancel_for(self, task_id: str) -> None:
+        self._subscribed.discard(task_id)
+
+    def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
+        super().on_state_change(meta, message)
+        if meta["status"] in states.READY_STATES:
+            self.cancel_for(meta["task_id"])
+
+    def on_wait_for_pending(self, result: Any, **kwargs: Any) -> None:
+        """Read the results once before waiting: those already stored resolve at once."""
+        for meta in result._iter_meta(**kwargs):
+            if meta is not None:
+                self.on_state_change(meta, None)
+                if meta["status"] in (states.SUCCESS, states.FAILURE):
+                    # on_state_change buffers a meta nobody waits for (resolved already):
+                    # nothing will ever take it, so drop it (as Celery's Redis backend does).
+                    buffered = self.backend._pending_messages
+                    try:
+                        taken = buffered.pop(meta["task_id"])
+                    except KeyError:
+                        pass
+                    else:
+                        buffered.total -= len(taken)
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for notifications and resolve what they announce."""
+        if self._pid != os.getpid():
+            self._forget_parent()
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return  # another thread is waiting on the socket; its results are shared
+        try:
+            ids = self._collect(timeout)
+        finally:
+            self._lock.release()
+        wanted = ids & self._subscribed.copy()
+        if wanted:
+            for payload in self.backend._payloads(wanted).values():
+                self.on_state_change(self.backend.decode_result(payload), None)
+
+    def _collect(self, timeout: float | None) -> set[str]:
+        fresh = not _db.owned(self._listener)
+        ids: set[str] = set()
+        if fresh:
+            self._listen()
+        else:
+            ids = self._wait(timeout)
+        if fresh or monotonic() - self._last_read >= self.backend.options.poll_interval:
+            self._last_read = monotonic()
+            ids |= self._subscribed.copy()
+        return ids
+
+    def _listen(self) -> None:
+        backend = self.backend
+        _db.close(self._listener)
+        self._listener = None
+        conn = _db.connect(backend.conninfo, connect_timeout=backend.options.connect_timeout,
+                           application_name="pgbroker results listen")
+        try:
+            with _db.translate_errors("LISTEN for results"):
+                conn.execute(f'LISTEN "{backend.channel}"')
+        except Exception:
+            _db.close(conn)
+            raise
+        self._listener = conn
+
+    def _wait(self, timeout: float | None) -> set[str]:
+        listener = self._listener
+        assert listener is not None
+        poll = max(self.backend.options.poll_interval, 0.1)
+        wait = poll if timeout is None else min(timeout, poll)
+        try:
+            with _db.translate_errors("waiting for result notifications"):
+                ids = _read_notifications(listener)
+                if not ids:
+                    _wait_readable(listener.fileno(), max(wait, 0.0))
+                    ids = _read_notifications(listener)
+        except (OSError, psycopg.Error):  # DatabaseUnavailable is an OSError
+            self.stop()  # the next drain reconnects and re-reads every pending result
+            raise
+        return ids
+
+
+def _wait_readable(fd: int, timeout: float) -> None:
+    """Wait until ``fd`` is readable or ``timeout`` passes. poll() where there is one (select()
+    fails on descriptors above 1023); looked up per call, so that gevent's patching applies."""
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        select.select([fd], [], [], timeout)
+        return
+    poller = poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(timeout * 1000)
+
+
+def _read_notifications(conn: psycopg.Connection[Any]) -> set[str]:
+    """The task ids of the notifications that arrived (never blocks: libpq reads what is
+    there)."""
+    pgconn = conn.pgconn
+    pgconn.consume_input()
+    if pgconn.status != psycopg.pq.ConnStatus.OK:
+        raise DatabaseUnavailable("the results LISTEN connection was closed by the server")
+    ids = set()
+    while (note := pgconn.notifies()) is not None:
+        ids.add(note.extra.decode("utf-8", "replace"))
+    return ids
+
+
+def _ttl(seconds: float | timedelta | None) -> timedelta | None:
+    """Celery's expiry (seconds; None or 0: never) as the interval the statements add to now()."""
+    if isinstance(seconds, timedelta):
+        seconds = seconds.total_seconds()
+    return timedelta(seconds=seconds) if seconds and seconds > 0 else None
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+
+
+def _text(value: Any) -> str | None:
+    """A text column's value: PostgreSQL text cannot hold NUL characters."""
+    if value is None:
+        return None
+    return str(value).replace("\x00", "\\x00")
+
+
+def _json_or_none(value: Any) -> str | None:
+    """``value`` as jsonb text, or None when jsonb cannot hold it (the payload still does)."""
+    if value is None:
+        return None
+    try:
+        text = json_dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return None if "\\u0000" in text else text
+
+
+def _timestamp(value: Any) -> datetime | None:
+    """Celery's ``date_done`` (ISO 8601 text or datetime) as an aware datetime."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    return value if value.tzinfo else value.astimezone(timezone.utc)

@@ -1,0 +1,1 @@
+"""Integrations with other frameworks; each module imports its framework only when used."""

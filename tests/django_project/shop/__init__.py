@@ -1,0 +1,1 @@
+"""The test project's one app: orders, confirmed by a Celery task."""
