@@ -11,6 +11,7 @@ from .errors import (
     DatabaseUnavailable,
     IdempotencyKeyRequired,
     MessageError,
+    OperationError,
     PgBrokerError,
     SchemaError,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "DatabaseUnavailable",
     "IdempotencyKeyRequired",
     "MessageError",
+    "OperationError",
     "PgBrokerError",
     "SchemaError",
     "Settings",

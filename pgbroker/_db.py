@@ -107,12 +107,18 @@ def mask_password(url: str, mask: str = "**") -> str:
         return "<unparsable URL>"
 
 
+def connect_kwargs(application_name: str = "pgbroker",
+                   connect_timeout: float = 10.0) -> dict[str, Any]:
+    """The libpq parameters of every pgbroker connection (keepalives, so a dead peer is
+    noticed; a timeout; a name in pg_stat_activity). For pools too."""
+    return {**_KEEPALIVES, "connect_timeout": max(1, int(connect_timeout)),
+            "application_name": application_name}
+
+
 def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 10.0,
             application_name: str = "pgbroker", **kwargs: Any) -> psycopg.Connection[Any]:
     """Open a connection, translating failures to :class:`DatabaseUnavailable`."""
-    params: dict[str, Any] = {**_KEEPALIVES, "connect_timeout": max(1, int(connect_timeout))}
-    params.setdefault("application_name", application_name)
-    params.update(kwargs)
+    params = {**connect_kwargs(application_name, connect_timeout), **kwargs}
     try:
         conn = psycopg.connect(libpq_url(conninfo), autocommit=autocommit, **params)
     except psycopg.Error as exc:

@@ -6,8 +6,9 @@
      ├── ConfigurationError (ValueError)     bad transport option, URL or schema name
      ├── DatabaseUnavailable (ConnectionError) the database cannot be reached; Celery reconnects
      ├── SchemaError                          schema missing, or migrated by a newer pgbroker
-     └── MessageError (ValueError)            a message refused at publish (size, name, header)
-          └── IdempotencyKeyRequired          a task configured to need a key was sent without one
+     ├── MessageError (ValueError)            a message refused at publish (size, name, header)
+     │    └── IdempotencyKeyRequired          a task configured to need a key was sent without one
+     └── OperationError                       an operator action that cannot be done as asked
 
 Driver errors are translated in :mod:`pgbroker._db` with ``__cause__`` kept.
 """
@@ -21,6 +22,7 @@ __all__ = [
     "SchemaError",
     "MessageError",
     "IdempotencyKeyRequired",
+    "OperationError",
 ]
 
 
@@ -46,3 +48,7 @@ class MessageError(PgBrokerError, ValueError):
 
 class IdempotencyKeyRequired(MessageError):
     """The task is configured to require an idempotency key and none was given."""
+
+
+class OperationError(PgBrokerError):
+    """An operator action that cannot be done as asked; the message says why. Nothing changed."""

@@ -455,9 +455,9 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
                       **kwargs: Any) -> str:
         validate_queue_name(queue)
-        self.transport.lease.ensure()
         self.transport._listen()  # before the first claim, or a NOTIFY could fall in between
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.transport.lease.ensure()  # registered with this queue listed
         if no_ack:
             self._no_ack.add(queue)
         self._more = True

@@ -1,0 +1,340 @@
+"""Queue metrics: read-only aggregates of the ``jobs`` table, and their Prometheus exposition.
+
+Per queue and task name: pending (due now), scheduled (future ``run_at``), running, dead (the
+failures), poison (dead because the consumer was lost during every attempt), redelivered (pending
+or running jobs delivered before), the age of the oldest pending job (database clock), and the
+completed / cancelled / expired jobs of the retention window. Per queue: paused, consumers alive.
+Per enabled beat entry: the age of its last completed run (``pgbroker.beat``'s
+``beat_status`` view).
+
+How a scrape stays cheap on a table of millions of rows (``metrics_*`` in ``sql/ops.sql``):
+
+* The states that stay small in a healthy system (pending, scheduled, running, dead) are counted
+  exactly, one query branch per state so that each reads only its partial index's rows: the cost
+  is the backlog, not the table. A backlog of millions costs what it costs (and says so).
+* Finished rows (completed, cancelled, expired) are most of the table, kept for the retention
+  window. They are counted incrementally: the first scrape counts the window once (a range scan
+  of ``jobs_finished_idx``), keeping per-minute counts in memory; every later scrape reads only the
+  rows finished since the previous one (a range scan of the same index), and drops the minutes
+  that left the window. A row is stamped with its transaction's start time, so it may commit a
+  little after a scrape passed its stamp: the last ``lag`` seconds are therefore counted for the
+  current scrape only and read again by the next one. The counts are those of the last ``window``
+  seconds, to the minute. Limits, honestly: a finished row deleted or changed by hand after it was
+  counted stays counted until the next full recount (every ``resync`` seconds); a finishing
+  transaction longer than ``lag`` is missed until then; each process (each admin server, each
+  ``pgbroker stats``) pays the first full count once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from . import _db
+from ._store import queries
+from .settings import Settings
+
+__all__ = ["MetricsReader", "QueueStats", "Snapshot", "TaskStats", "is_internal_queue",
+           "prometheus_registry"]
+
+logger = logging.getLogger(__name__)
+
+#: States counted exactly (small) and incrementally (finished, within the window).
+ACTIVE_STATES = ("pending", "scheduled", "running", "dead")
+FINISHED_STATES = ("completed", "cancelled", "expired")
+
+_COUNTS = ("pending", "scheduled", "running", "dead", "completed", "cancelled", "expired",
+           "redelivered", "poison")
+
+
+def is_internal_queue(name: str) -> bool:
+    """Celery's own queues: remote control (``<worker>.celery.pidbox``,
+    ``<id>.reply.celery.pidbox``) and events (``celeryev.<id>``). There is one per worker process:
+    as metric labels they would churn."""
+    return name.endswith(".pidbox") or name.startswith("celeryev.")
+
+
+@dataclasses.dataclass
+class TaskStats:
+    """The numbers of one (queue, task name); ``task`` is None for plain kombu messages."""
+
+    queue: str
+    task: str | None
+    pending: int = 0
+    scheduled: int = 0
+    running: int = 0
+    dead: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    redelivered: int = 0
+    poison: int = 0
+    oldest_pending_age: float | None = None
+
+    def add(self, other: TaskStats) -> None:
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        ages = [a for a in (self.oldest_pending_age, other.oldest_pending_age) if a is not None]
+        self.oldest_pending_age = max(ages) if ages else None
+
+
+@dataclasses.dataclass
+class QueueStats(TaskStats):
+    """The numbers of one queue (its tasks summed), whether it is paused, its live consumers."""
+
+    paused: bool = False
+    consumers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Everything one scrape read."""
+
+    at: datetime                       #: the database clock
+    tasks: list[TaskStats]
+    paused: dict[str, bool]            #: every queue of the queues table
+    consumers: dict[str, int]          #: consumers alive per queue
+    consumers_alive: int
+    beat: dict[str, float | None]      #: seconds since each entry's last run (None: never)
+    window: float                      #: seconds of finished jobs counted
+    duration: float                    #: seconds the scrape took
+    hidden: int = 0                    #: Celery-internal queues left out (is_internal_queue)
+
+    def queues(self) -> list[QueueStats]:
+        """Per-queue totals, for every queue that has jobs, is declared, or has consumers."""
+        names = {t.queue for t in self.tasks} | set(self.paused) | set(self.consumers)
+        by_name = {n: QueueStats(n, None, paused=self.paused.get(n, False),
+                                 consumers=self.consumers.get(n, 0)) for n in names}
+        for t in self.tasks:
+            by_name[t.queue].add(t)
+        return [by_name[n] for n in sorted(by_name)]
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``pgbroker stats --json``)."""
+        return {
+            "at": self.at.isoformat(),
+            "window_seconds": self.window,
+            "queues": [_public(q) for q in self.queues()],
+            "tasks": [_public(t) for t in self.tasks],
+            "consumers_alive": self.consumers_alive,
+            "internal_queues_hidden": self.hidden,
+            "beat": [{"entry": k, "last_run_age_seconds": v} for k, v in self.beat.items()],
+        }
+
+
+def _public(stats: TaskStats) -> dict[str, Any]:
+    data = dataclasses.asdict(stats)
+    if isinstance(stats, QueueStats):
+        data.pop("task")
+    return data
+
+
+class _FinishedWindow:
+    """Per-minute counts of finished jobs over the window, brought up to date incrementally."""
+
+    def __init__(self, window: float, resync: float):
+        self.window = window
+        self.resync = resync
+        self._minutes: dict[datetime, Counter[tuple[str, str | None, str]]] = {}
+        self._total: Counter[tuple[str, str | None, str]] = Counter()  # sum of the minutes
+        self._upto: datetime | None = None
+        self._synced = 0.0
+        self._lock = threading.Lock()
+
+    def update(self, fetch: Callable[[datetime | None, datetime], list[tuple[Any, ...]]],
+               now: datetime, upto: datetime) -> Counter[tuple[str, str | None, str]]:
+        start = now - timedelta(seconds=self.window)
+        with self._lock:
+            if self._upto is None or time.monotonic() - self._synced > self.resync:
+                self._minutes.clear()
+                self._total.clear()
+                self._upto = None
+                self._synced = time.monotonic()
+            since = max(self._upto, start) if self._upto is not None else start
+            if upto > since:
+                for minute, queue, task, state, n in fetch(since, upto):
+                    self._minutes.setdefault(minute, Counter())[(queue, task, state)] += n
+                    self._total[(queue, task, state)] += n
+                self._upto = upto
+            for minute in [m for m in self._minutes if m + timedelta(minutes=1) <= start]:
+                self._total.subtract(self._minutes.pop(minute))
+            # The last lag seconds are counted for this scrape only: read again next time, when
+            # every row stamped in them has committed.
+            recent: Counter[tuple[str, str | None, str]] = Counter()
+            for _, queue, task, state, n in fetch(max(upto, start), now):
+                recent[(queue, task, state)] += n
+            return +(self._total + recent)  # without the keys that dropped to zero
+
+
+class MetricsReader:
+    """Reads :class:`Snapshot` s of one schema; keep one per process (it holds the finished
+    counts between scrapes). Thread-safe."""
+
+    def __init__(self, schema: str = "pgbroker", *, window: float | None = None,
+                 lease_timeout: float | None = None, lag: float = 10.0,
+                 resync: float = 3600.0, include_internal: bool = False):
+        defaults = Settings(schema=schema)  # validates the name
+        self.schema = schema
+        self.include_internal = include_internal
+        self.window = defaults.retention if window is None else float(window)
+        self.lease_timeout = defaults.lease_timeout if lease_timeout is None else lease_timeout
+        self.lag = lag
+        self.q = queries(schema)
+        self._finished = _FinishedWindow(self.window, resync)
+        self._beat_warned = False
+
+    def _run(self, conn: psycopg.Connection[Any], name: str,
+             params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        with _db.translate_errors(f"pgbroker {name}"):
+            return conn.cursor(row_factory=tuple_row).execute(self.q[name], params).fetchall()
+
+    def snapshot(self, conn: psycopg.Connection[Any]) -> Snapshot:
+        """Read the metrics now over ``conn`` (autocommit), in one read-only transaction."""
+        with _db.translate_errors("pgbroker metrics"), conn.transaction():
+            conn.execute(self.q["metrics_transaction"])
+            conn.execute(self.q["metrics_plan"])
+            return self._read(conn)
+
+    def _read(self, conn: psycopg.Connection[Any]) -> Snapshot:
+        began = time.perf_counter()
+        (now, upto), = self._run(conn, "metrics_clock", {"lag": self.lag})
+        tasks: dict[tuple[str, str | None], TaskStats] = {}
+
+        def stats(queue: str, task: str | None) -> TaskStats:
+            return tasks.setdefault((queue, task), TaskStats(queue, task))
+
+        for state, queue, task, n, redelivered, oldest, poison in self._run(
+                conn, "metrics_active", {}):
+            s = stats(queue, task)
+            setattr(s, state, int(n))
+            s.redelivered += int(redelivered)
+            s.poison += int(poison)
+            if oldest is not None:
+                s.oldest_pending_age = max(float(oldest), 0.0)
+        finished = self._finished.update(
+            lambda since, until: self._run(conn, "metrics_finished",
+                                           {"since": since, "upto": until}), now, upto)
+        for (queue, task, state), n in finished.items():
+            setattr(stats(queue, task), state, n)
+        consumers: dict[str, int] = {}
+        alive = 0
+        for queue, n in self._run(conn, "metrics_consumers", {"lease": self.lease_timeout}):
+            if queue is None:
+                alive = int(n)  # the total row
+            else:
+                consumers[queue] = int(n)
+        paused = {name: bool(p) for name, p in self._run(conn, "metrics_queues", {})}
+        shown: Callable[[str], bool] = (
+            (lambda name: True) if self.include_internal
+            else (lambda name: not is_internal_queue(name)))
+        every = set(paused) | set(consumers) | {q for q, _ in tasks}
+        return Snapshot(
+            at=now,
+            tasks=[tasks[k] for k in sorted(tasks, key=lambda k: (k[0], k[1] or ""))
+                   if shown(k[0])],
+            paused={q: p for q, p in paused.items() if shown(q)},
+            consumers={q: n for q, n in consumers.items() if shown(q)},
+            consumers_alive=alive,
+            beat=self._beat(conn),
+            window=self.window,
+            duration=time.perf_counter() - began,
+            hidden=sum(not shown(q) for q in every),
+        )
+
+    def _beat(self, conn: psycopg.Connection[Any]) -> dict[str, float | None]:
+        """Age of each enabled beat entry's last completed run (``beat_status``); empty when
+        the view is not there, or not of the expected shape (warned once)."""
+        (present,), = self._run(conn, "metrics_beat_present",
+                                {"view": f'"{self.schema}".beat_status'})
+        if not present:
+            return {}
+        try:
+            with conn.transaction():  # a savepoint: the scrape's transaction survives an error
+                return dict(self._run(conn, "metrics_beat", {}))
+        except psycopg.errors.UndefinedColumn as exc:
+            if not self._beat_warned:
+                logger.warning("pgbroker metrics: no beat ages (%s)", str(exc).splitlines()[0])
+                self._beat_warned = True
+            return {}
+
+
+def prometheus_registry(snapshot: Callable[[], Snapshot]) -> Any:
+    """A ``prometheus_client`` registry whose one collector calls ``snapshot()`` on each scrape.
+
+    A failed read is exposed as ``pgbroker_up 0`` (and logged), not as an HTTP error, so an
+    alert can tell "the broker's database is unreachable" from "the exporter is down".
+    """
+    from prometheus_client.core import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(snapshot))
+    return registry
+
+
+class _Collector:
+    def __init__(self, snapshot: Callable[[], Snapshot]):
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Any]:
+        return []  # nothing is read at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            snap = self._snapshot()
+        except Exception as exc:  # noqa: BLE001 - exposed as pgbroker_up 0
+            logger.warning("pgbroker metrics: scrape failed: %s", exc)
+            yield GaugeMetricFamily("pgbroker_up", "1 if pgbroker's database could be read", 0)
+            return
+        yield GaugeMetricFamily("pgbroker_up", "1 if pgbroker's database could be read", 1)
+        yield GaugeMetricFamily("pgbroker_scrape_duration_seconds",
+                                "Seconds the metrics queries took", snap.duration)
+        jobs = GaugeMetricFamily(
+            "pgbroker_jobs", "Jobs per queue, task and state (completed, cancelled and expired: "
+            "those finished within the window)", labels=["queue", "task", "state"])
+        redelivered = GaugeMetricFamily(
+            "pgbroker_jobs_redelivered", "Pending or running jobs that were delivered before",
+            labels=["queue", "task"])
+        poison = GaugeMetricFamily(
+            "pgbroker_jobs_poison", "Dead jobs whose consumer was lost during every attempt",
+            labels=["queue", "task"])
+        oldest = GaugeMetricFamily(
+            "pgbroker_oldest_pending_age_seconds",
+            "Seconds the oldest due job has waited (database clock)", labels=["queue", "task"])
+        for t in snap.tasks:
+            labels = [t.queue, t.task or ""]
+            for state in ACTIVE_STATES + FINISHED_STATES:
+                jobs.add_metric(labels + [state], getattr(t, state))
+            redelivered.add_metric(labels, t.redelivered)
+            poison.add_metric(labels, t.poison)
+            if t.oldest_pending_age is not None:
+                oldest.add_metric(labels, t.oldest_pending_age)
+        yield from (jobs, redelivered, poison, oldest)
+        yield GaugeMetricFamily("pgbroker_finished_window_seconds",
+                                "Seconds of finished jobs counted in pgbroker_jobs", snap.window)
+        paused = GaugeMetricFamily("pgbroker_queue_paused", "1 if the queue is paused",
+                                   labels=["queue"])
+        consumers = GaugeMetricFamily("pgbroker_queue_consumers",
+                                      "Consumers alive that consume the queue", labels=["queue"])
+        for q in snap.queues():
+            paused.add_metric([q.queue], int(q.paused))
+            consumers.add_metric([q.queue], q.consumers)
+        yield from (paused, consumers)
+        yield GaugeMetricFamily("pgbroker_consumers_alive",
+                                "Consumers with a heartbeat within the lease", snap.consumers_alive)
+        beat = GaugeMetricFamily("pgbroker_beat_last_run_age_seconds",
+                                 "Seconds since each beat entry last ran", labels=["entry"])
+        for entry, age in snap.beat.items():
+            if age is not None:
+                beat.add_metric([entry], age)
+        yield beat

@@ -1,0 +1,314 @@
+"""The operator's actions and look-ups, shared by the CLI (``pgbroker``) and the admin page.
+
+One implementation, two front-ends: :class:`Operations` runs the named queries of
+``sql/ops.sql`` over a psycopg connection the caller owns (the CLI opens one, the admin page
+borrows one from its pool per request). Every action writes an audit row (who, what, when, and
+what the action replaced or destroyed) in the same statement as the change itself.
+
+Errors an operator can make (a malformed or unknown job id, an unknown queue, a job in the wrong
+state) raise :class:`OperationError` with a message meant for them; nothing has changed then.
+
+Long actions (retry or discard of every dead job, purge) run in batches of short transactions
+and report progress after each: a huge backlog never holds one long transaction, and an
+interrupted run keeps what its finished batches did (the audit rows say exactly what).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row, tuple_row
+from psycopg.types.json import Jsonb
+
+from . import _db
+from ._store import queries
+from .errors import OperationError
+from .settings import Settings
+
+__all__ = [
+    "JOB_STATES",
+    "OperationError",
+    "Operations",
+    "Progress",
+    "body_text",
+    "is_poison",
+    "os_user",
+    "parse_job_id",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Every state a job can be in (the CHECK constraint of ``jobs.state``).
+JOB_STATES = ("scheduled", "pending", "running", "completed", "dead", "cancelled", "expired")
+
+#: Rows per batch of the long actions.
+DEFAULT_BATCH_SIZE = 1000
+
+#: ``progress(done, total)`` after each batch of a long action.
+Progress = Callable[[int, int], None]
+
+
+def parse_job_id(text: str) -> uuid.UUID:
+    """A job id (a UUID) from the operator's text, or :class:`OperationError`."""
+    try:
+        return uuid.UUID(str(text).strip())
+    except ValueError:
+        raise OperationError(f"{text!r} is not a job id (a job id is a UUID, such as "
+                             f"0190d3c4-5e6f-7a8b-9c0d-1e2f3a4b5c6d)") from None
+
+
+#: The endings of a delivery that killed or lost its worker, as ``last_error`` words them once the
+#: attempts are used up: the sweeper's (``job_rescue``: the whole worker died) and the transport's
+#: requeue reason (Celery gave the message back after its pool process died, with
+#: ``task_reject_on_worker_lost``; rows written before that reason existed say "requeued by the
+#: consumer").
+POISON_WORDS = ("consumer was lost", "pool process was lost", "requeued by the consumer")
+
+
+def is_poison(last_error: str | None) -> bool:
+    """True for a dead job that killed (or lost) its worker on every attempt: a poison job.
+
+    The ``metrics_active`` query in ``sql/ops.sql`` counts the same test in SQL.
+    """
+    return bool(last_error and last_error.startswith("max attempts (")
+                and any(words in last_error for words in POISON_WORDS))
+
+
+def body_text(body: bytes | memoryview | None, content_type: str | None,
+              limit: int = 65536) -> str:
+    """A job's body for a human: pretty JSON, else text, else a hex dump; cut at ``limit``."""
+    raw = bytes(body or b"")
+    cut = len(raw) > limit
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "<binary> " + raw[:limit // 2].hex(" ")
+    else:
+        if content_type and "json" in content_type and not cut:
+            try:
+                text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+            except ValueError:
+                pass
+        text = text[:limit]
+    return text + (f"\n... ({len(raw)} bytes in all)" if cut else "")
+
+
+def os_user() -> str:
+    """The operating-system user running this process: the CLI's audit actor."""
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no login name (a container with an unnamed uid)
+        return f"uid:{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    changed: int
+    audited: int
+
+
+class Operations:
+    """The actions and look-ups of one actor over one connection (autocommit mode)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str = "pgbroker", *,
+                 actor: str, via: str):
+        self.conn = conn
+        self.settings = Settings(schema=schema)  # validates the name
+        self.q = queries(schema)
+        self.actor = actor
+        self.via = via
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _rows(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        with _db.translate_errors(f"pgbroker {name}"):
+            cur = self.conn.cursor(row_factory=dict_row)
+            return cur.execute(self.q[name], params).fetchall()
+
+    def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...]:
+        with _db.translate_errors(f"pgbroker {name}"):
+            row = self.conn.cursor(row_factory=tuple_row).execute(self.q[name], params).fetchone()
+        assert row is not None, name
+        return row
+
+    def _base(self) -> dict[str, Any]:
+        return {"actor": self.actor, "via": self.via, "channel": self.settings.channel}
+
+    def _refuse(self, job_id: uuid.UUID, allowed: Sequence[str], verb: str) -> OperationError:
+        """Why an action on one job changed nothing (called after it did)."""
+        rows = self._rows("job_state", {"id": job_id})
+        if not rows:
+            return OperationError(f"no job with id {job_id}")
+        state = rows[0]["state"]
+        if state in allowed:  # SKIP LOCKED passed it over: someone else holds it right now
+            return OperationError(f"job {job_id} is being changed by another transaction right "
+                                  f"now; try again")
+        return OperationError(f"job {job_id} is {state}: only {' or '.join(allowed)} jobs can "
+                              f"be {verb}")
+
+    def _require_queue(self, name: str) -> None:
+        if not name or not self._one("queue_exists", {"name": name})[0]:
+            known = [r["name"] for r in self._rows("metrics_queues", {})]
+            hint = f" (known queues: {', '.join(known[:20])})" if known else " (none is known)"
+            raise OperationError(f"unknown queue {name!r}{hint}")
+
+    # -- look-ups --------------------------------------------------------------------------------
+
+    def job(self, job_id: str | uuid.UUID) -> dict[str, Any]:
+        """One job with everything stored about it; :class:`OperationError` if none."""
+        jid = job_id if isinstance(job_id, uuid.UUID) else parse_job_id(job_id)
+        rows = self._rows("job_show", {"id": jid})
+        if not rows:
+            raise OperationError(f"no job with id {jid}")
+        return rows[0]
+
+    def lookup(self, text: str) -> list[dict[str, Any]]:
+        """Jobs whose job id, Celery task id or idempotency key is ``text`` (newest first)."""
+        text = text.strip()
+        if not text:
+            raise OperationError("nothing to look up: give a job id, task id or idempotency key")
+        try:
+            rows = self._rows("job_show", {"id": uuid.UUID(text)})
+        except ValueError:
+            rows = []
+        return rows or self._rows("job_lookup", {"key": text})
+
+    def jobs(self, queue: str | None = None, state: str | None = None, task: str | None = None,
+             limit: int = 50) -> list[dict[str, Any]]:
+        """The newest jobs, optionally filtered by queue, state and task name."""
+        if state is not None and state not in JOB_STATES:
+            raise OperationError(f"unknown state {state!r}: use one of {', '.join(JOB_STATES)}")
+        if limit < 1:
+            raise OperationError(f"limit must be at least 1, not {limit}")
+        return self._rows("job_list", {"queue": queue, "state": state, "task": task,
+                                       "limit": limit})
+
+    def dead(self, queue: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """Dead letters, most recent first, each with a ``poison`` flag."""
+        rows = self._rows("dead_list", {"queue": queue, "limit": limit})
+        for row in rows:
+            row["poison"] = is_poison(row["last_error"])
+        return rows
+
+    def audit(self, target: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Audit rows, newest first (of one job or queue when ``target`` is given)."""
+        return self._rows("audit_list", {"target": target, "limit": limit})
+
+    # -- dead letters ----------------------------------------------------------------------------
+
+    def _db_now(self) -> Any:
+        return self._one("metrics_clock", {"lag": 0})[0]
+
+    def _resolve(self, action: str, ids: list[uuid.UUID] | None, queue: str | None,
+                 limit: int, before: Any = None) -> _Resolved:
+        row = self._one("dead_resolve", {**self._base(), "action": action, "ids": ids,
+                                         "queue": queue, "limit": limit, "before": before})
+        return _Resolved(int(row[0]), int(row[1]))
+
+    def retry_dead(self, job_id: str | uuid.UUID) -> None:
+        """Put one dead job back to ``pending`` (attempts reset to 0) and wake its queue."""
+        self._one_dead("retry", job_id, "retried")
+
+    def discard_dead(self, job_id: str | uuid.UUID) -> None:
+        """Delete one dead job; its audit row keeps its queue, task, error and traceback."""
+        self._one_dead("discard", job_id, "discarded")
+
+    def _one_dead(self, action: str, job_id: str | uuid.UUID, verb: str) -> None:
+        jid = job_id if isinstance(job_id, uuid.UUID) else parse_job_id(job_id)
+        if not self._resolve(action, [jid], None, 1).changed:
+            raise self._refuse(jid, ("dead",), verb)
+        logger.info("pgbroker: %s %s dead job %s", self.actor, verb, jid)
+
+    def retry_all_dead(self, queue: str | None = None, *, batch_size: int = DEFAULT_BATCH_SIZE,
+                       progress: Progress | None = None) -> int:
+        """Retry every dead job (of ``queue``), in batches; returns how many."""
+        return self._all_dead("retry", queue, batch_size, progress)
+
+    def discard_all_dead(self, queue: str | None = None, *,
+                         batch_size: int = DEFAULT_BATCH_SIZE,
+                         progress: Progress | None = None) -> int:
+        """Discard every dead job (of ``queue``), in batches; returns how many."""
+        return self._all_dead("discard", queue, batch_size, progress)
+
+    def _all_dead(self, action: str, queue: str | None, batch_size: int,
+                  progress: Progress | None) -> int:
+        if batch_size < 1:
+            raise OperationError(f"batch size must be at least 1, not {batch_size}")
+        before = self._db_now()
+        total = int(self._one("dead_count", {"queue": queue})[0])
+        if queue is not None and not total:
+            self._require_queue(queue)  # nothing dead there: is it a typo? (a queue row may
+            #                             be gone, expired, while its dead letters stay)
+        done = 0
+        while True:
+            # Each batch is its own statement: it commits, and the next one finds what is left.
+            n = self._resolve(action, None, queue, batch_size, before).changed
+            done += n
+            if n:
+                if progress is not None:
+                    progress(done, max(total, done))
+            if n < batch_size:
+                break
+        if done:
+            logger.info("pgbroker: %s %s %d dead job(s)%s", self.actor,
+                        "retried" if action == "retry" else "discarded", done,
+                        f" of queue {queue!r}" if queue else "")
+        return done
+
+    # -- jobs and queues -------------------------------------------------------------------------
+
+    def cancel(self, job_id: str | uuid.UUID) -> None:
+        """Cancel a pending or scheduled job: it will never run."""
+        jid = job_id if isinstance(job_id, uuid.UUID) else parse_job_id(job_id)
+        if not self._one("job_cancel", {**self._base(), "id": jid})[0]:
+            raise self._refuse(jid, ("pending", "scheduled"), "cancelled")
+        logger.info("pgbroker: %s cancelled job %s", self.actor, jid)
+
+    def purge(self, queue: str, *, batch_size: int = DEFAULT_BATCH_SIZE,
+              progress: Progress | None = None) -> int:
+        """Delete every pending and scheduled job of ``queue`` (running ones finish), in
+        batches; returns how many. Its audit row counts the deletions batch by batch."""
+        self._require_queue(queue)
+        if batch_size < 1:
+            raise OperationError(f"batch size must be at least 1, not {batch_size}")
+        total = int(self._one("queue_size", {"name": queue})[0])
+        audit_id = self._one("audit_insert", {
+            "actor": self.actor, "action": "queue.purge", "target": queue,
+            "detail": Jsonb({"via": self.via, "deleted": 0, "found": total})})[0]
+        before = self._db_now()
+        done = 0
+        while True:
+            n = int(self._one("queue_purge_batch", {"queue": queue, "limit": batch_size,
+                                                    "audit_id": audit_id, "before": before})[0])
+            done += n
+            if n and progress is not None:
+                progress(done, max(total, done))
+            if n == 0:
+                break
+        logger.info("pgbroker: %s purged %d job(s) of queue %r", self.actor, done, queue)
+        return done
+
+    def pause(self, queue: str) -> bool:
+        """Stop workers claiming from ``queue``; False if it was already paused."""
+        return self._set_paused(queue, True)
+
+    def resume(self, queue: str) -> bool:
+        """Let workers claim from ``queue`` again (and wake them); False if it was not paused."""
+        return self._set_paused(queue, False)
+
+    def _set_paused(self, queue: str, paused: bool) -> bool:
+        self._require_queue(queue)
+        changed = bool(self._one("queue_set_paused", {**self._base(), "name": queue,
+                                                      "paused": paused})[0])
+        if changed:
+            logger.info("pgbroker: %s %s queue %r", self.actor,
+                        "paused" if paused else "resumed", queue)
+        return changed
