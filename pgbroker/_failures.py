@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import signals
 
+from ._messages import DELIVERY_HEADER, parse_delivery_tag
 from ._store import Store
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,6 @@ def _store_for(app: Any) -> Store | None:
 
 def on_task_failure(sender: Any = None, exception: BaseException | None = None,
                     einfo: Any = None, **_: Any) -> None:
-    from .transport import DELIVERY_HEADER, parse_delivery_tag
 
     request = getattr(sender, "request", None)
     tag = getattr(request, DELIVERY_HEADER, None) if request is not None else None

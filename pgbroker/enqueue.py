@@ -46,6 +46,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from . import _db
+from ._messages import message_to_job
 from ._store import NewJob, insert_many_params, queries
 from .errors import ConfigurationError, MessageError, SchemaError
 from .settings import Settings
@@ -409,8 +410,6 @@ def _check_options(options: dict[str, Any]) -> None:
 
 def _message_to_job(settings: Settings, queue: str, message: dict[str, Any]) -> NewJob:
     """The transport's own message -> row conversion (every publish check lives there)."""
-    from .transport import message_to_job  # not at import time: transport.py imports us
-
     return message_to_job(settings, queue, message)
 
 

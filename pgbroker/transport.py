@@ -22,9 +22,11 @@ Transport Options
 See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_attempts``,
 ``retention``, ``lease_timeout``, ``heartbeat_interval``, ``sweep_interval``, ``poll_interval``,
 ``claim_batch_max``, ``prune_batch_size``, ``use_advisory_locks``, ``max_message_size``,
-``connect_timeout``, ``require_idempotency_key``. Unknown options are an error.
+``connect_timeout``, ``durable_publish``, ``durable_acks``, ``require_idempotency_key``.
+Unknown options are an error.
 
-This module is glue: every statement is in :mod:`pgbroker._store`.
+This module is glue: every statement is in :mod:`pgbroker._store`, every message check in
+:mod:`pgbroker._messages`.
 """
 
 from __future__ import annotations
@@ -34,13 +36,11 @@ import os
 import select
 import socket
 import uuid
-from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
-import uuid6
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES, TopicExchange
@@ -49,160 +49,35 @@ from kombu.utils.objects import cached_property
 
 from . import _db
 from ._lease import Lease
+from ._messages import (
+    DELIVERY_HEADER,
+    MAX_NAME_LENGTH,
+    REQUEUED,
+    TRANSIENT,
+    _delivery_tag,
+    kombu_payload,
+    message_to_job,
+    parse_delivery_tag,
+    validate_queue_name,
+)
 from ._store import JobRow, NewJob, Store
 from .enqueue import _current_target
-from .errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
+from .errors import DatabaseUnavailable
 from .settings import Settings
 
-__all__ = ["Transport", "Channel", "QoS", "Message", "validate_queue_name"]
+__all__ = ["Transport", "Channel", "QoS", "Message", "DELIVERY_HEADER", "MAX_NAME_LENGTH",
+           "message_to_job", "parse_delivery_tag", "validate_queue_name"]
 
 logger = logging.getLogger(__name__)
 
-#: Longest queue, exchange or routing key name accepted (Celery's reply queues are ~55 characters).
-MAX_NAME_LENGTH = 1000
-
-_DROPPED_PROPERTIES = ("delivery_info", "delivery_tag")
-
-TRANSIENT = 1  # AMQP delivery_mode of messages that need not survive (replies, events)
-
 #: Seconds a process trusts what it read of an exchange's bindings before reading them again.
 BINDINGS_TTL = 1.0
-
-#: Why a delivery came back through reject(requeue=True): Celery gives no reason, and this is
-#: what it means in a worker.
-REQUEUED = ("requeued by the worker: its pool process was lost (killed or out of memory, with "
-            "task_reject_on_worker_lost), or the task raised Reject(requeue=True)")
-
-#: Header carrying "<job id>/<attempt>" to the task (and so to the failure hook).
-DELIVERY_HEADER = "pgbroker_delivery"
-
-
-def validate_queue_name(name: Any, what: str = "queue") -> str:
-    """Refuse names PostgreSQL cannot store or that are absurd; every other string is data."""
-    if not isinstance(name, str) or not name:
-        raise MessageError(f"{what} name must be a non-empty string, not {name!r}")
-    if "\x00" in name:
-        raise MessageError(f"{what} name {name!r} contains a NUL byte")
-    if len(name) > MAX_NAME_LENGTH:
-        raise MessageError(f"{what} name is {len(name)} characters long; the limit is "
-                           f"{MAX_NAME_LENGTH}")
-    return name
-
-
-def _delivery_tag(job_id: uuid.UUID, attempt: int, transient: bool = False) -> str:
-    return f"{job_id}/{attempt}/t" if transient else f"{job_id}/{attempt}"
-
-
-def parse_delivery_tag(tag: str) -> tuple[uuid.UUID, int, bool] | None:
-    """``"<job id>/<attempt>[/t]"`` -> (job id, attempt, transient); None for a broadcast
-    delivery (``"b/..."``), which has no row to acknowledge."""
-    parts = str(tag).split("/")
-    if parts[0] == "b":
-        return None
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "t"):
-        raise ValueError(f"{tag!r} is not a pgbroker delivery tag (<job id>/<attempt>)")
-    return uuid.UUID(parts[0]), int(parts[1]), len(parts) == 3
-
-
-def _timestamp(value: Any, what: str) -> datetime | None:
-    """A Celery ``eta``/``expires`` header (ISO 8601 text or datetime) as an aware datetime."""
-    if value is None or value == 0:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            return datetime.fromtimestamp(value, timezone.utc)  # kombu pidbox: epoch seconds
-        except (OverflowError, OSError, ValueError):
-            raise MessageError(f"the {what} header {value!r} is not a valid time") from None
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            raise MessageError(f"the {what} header {value!r} is not an ISO 8601 time") from None
-    if not isinstance(value, datetime):
-        raise MessageError(f"the {what} header must be an ISO 8601 time, not {value!r}")
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
-def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any]) -> NewJob:
-    """The row for a kombu message (as ``basic_publish`` prepared it) bound for ``queue``
-    (None: a broadcast, which has no queue). Every check of a message at publish is here."""
-    if queue is not None:
-        validate_queue_name(queue)
-    body = message.get("body")
-    if isinstance(body, str):
-        body = body.encode("utf-8")
-    elif body is None:
-        body = b""
-    elif not isinstance(body, (bytes, bytearray, memoryview)):
-        raise MessageError(f"message body must be bytes or str, not {type(body).__name__}")
-    if len(body) > settings.max_message_size:
-        raise MessageError(
-            f"message body is {len(body)} bytes; the limit (max_message_size) is "
-            f"{settings.max_message_size}")
-    headers = message.get("headers") or {}
-    if not isinstance(headers, dict):
-        raise MessageError(f"message headers must be a dict, not {type(headers).__name__}")
-    if DELIVERY_HEADER in headers:  # a retry's copy of its original's delivery: not ours
-        headers = {k: v for k, v in headers.items() if k != DELIVERY_HEADER}
-    properties = dict(message.get("properties") or {})
-    info = properties.get("delivery_info") or {}
-    for key in _DROPPED_PROPERTIES:
-        properties.pop(key, None)
-    task = headers.get("task")
-    retries = headers.get("retries") or 0
-    # A retry (Celery copies custom headers into it) continues its job; it is no new
-    # enqueue, so its key must not make the unique index swallow it.
-    key = headers.get("idempotency_key") if not retries else None
-    if key is None and not retries and task in settings.require_idempotency_key:
-        raise IdempotencyKeyRequired(
-            f"task {task!r} requires an idempotency key: pass "
-            "headers={'idempotency_key': ...} or use pgbroker.enqueue(..., idempotency_key=)")
-    expires_at = _timestamp(headers.get("expires"), "expires")
-    expiration = properties.get("expiration")
-    if expiration is not None:  # AMQP per-message TTL, in milliseconds
-        try:
-            ttl_at = datetime.now(timezone.utc) + timedelta(milliseconds=float(expiration))
-        except (TypeError, ValueError):
-            raise MessageError(f"expiration {expiration!r} is not milliseconds") from None
-        expires_at = min(expires_at, ttl_at) if expires_at else ttl_at
-    max_attempts = headers.get("max_attempts", settings.max_attempts)
-    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-        raise MessageError(f"max_attempts header must be a positive integer, "
-                           f"not {max_attempts!r}")
-    return NewJob(
-        id=uuid6.uuid7(),
-        queue=queue or "",
-        body=bytes(body),
-        content_type=message.get("content-type"),
-        content_encoding=message.get("content-encoding"),
-        headers=headers,
-        properties=properties,
-        exchange=info.get("exchange") or "",
-        routing_key=info.get("routing_key") or "",
-        task=task if isinstance(task, str) else None,
-        task_id=str(headers["id"]) if headers.get("id") is not None else None,
-        retries=retries if isinstance(retries, int) else 0,
-        priority=_priority(message),
-        max_attempts=max_attempts,
-        run_at=_timestamp(headers.get("eta"), "eta"),
-        expires_at=expires_at,
-        idempotency_key=None if key is None else str(key),
-    )
-
 
 def _wait_readable(fd: int, timeout: float) -> bool:
     """Wait until ``fd`` is readable (poll(2): select(2) fails on descriptors above 1023)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
     return bool(poller.poll(timeout * 1000))
-
-
-def _priority(message: dict[str, Any]) -> int:
-    """AMQP priority 0-255 (higher runs first); anything else is the default, 0."""
-    try:
-        return max(0, min(int(message["properties"]["priority"]), 255))
-    except (TypeError, ValueError, KeyError):
-        return 0
 
 
 class Message(virtual.Message):
@@ -571,25 +446,6 @@ class Channel(virtual.Channel):
                                len(self.pending_acks), exc)
         super().close()
         self._undecodable.clear()
-
-
-def kombu_payload(body: bytes, content_type: str | None, content_encoding: str | None,
-                  headers: dict[str, Any], properties: dict[str, Any], exchange: str,
-                  routing_key: str, priority: int, tag: str, redelivered: bool) -> dict[str, Any]:
-    """The message as kombu's virtual channels hand it to consumers."""
-    properties = {**properties, "delivery_tag": tag, "priority": priority, "delivery_info": {
-        "exchange": exchange, "routing_key": routing_key, "priority": priority,
-        "redelivered": redelivered,
-    }}
-    return {
-        "body": bytes(body),
-        "content-type": content_type,
-        "content-encoding": content_encoding,
-        # The delivery's identity travels in a header too: Celery hands the task only a
-        # filtered delivery_info, and the failure hook (pgbroker._failures) needs it.
-        "headers": {**headers, DELIVERY_HEADER: tag},
-        "properties": properties,
-    }
 
 
 class Transport(virtual.Transport):

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pgbroker.errors import MessageError
-from pgbroker.transport import (
+from pgbroker._messages import (
     MAX_NAME_LENGTH,
     _delivery_tag,
     _timestamp,
