@@ -111,7 +111,8 @@ class CeleryProcess:
 
     def log(self) -> str:
         """Everything the process wrote to stdout and stderr so far."""
-        self._log_file.flush()
+        if not self._log_file.closed:
+            self._log_file.flush()
         return self.log_path.read_text(errors="replace")
 
     def wait_for_log(self, text: str, timeout: float = 30.0, count: int = 1) -> None:
