@@ -66,12 +66,11 @@ CREATE UNIQUE INDEX jobs_idempotency_key_idx ON {schema}.jobs (task, idempotency
 
 -- A producer's own publish retry (connection lost after the INSERT committed) must not make a
 -- second copy. Celery's retry() publishes the same task id with retries + 1, so it is not blocked.
--- The queue is part of the key because one message routed to two queues is two jobs.
-CREATE UNIQUE INDEX jobs_task_delivery_idx ON {schema}.jobs (queue, task_id, retries)
+-- The queue is part of the key because one message routed to two queues is two jobs. Led by
+-- task_id, it also serves look-ups by Celery task id (revoke, the admin page, beat), so no second
+-- index on task_id has to be maintained by every claim and ack.
+CREATE UNIQUE INDEX jobs_task_delivery_idx ON {schema}.jobs (task_id, retries, queue)
     WHERE task_id IS NOT NULL;
-
--- Look-ups by Celery task id (revoke, query_task, the admin page).
-CREATE INDEX jobs_task_id_idx ON {schema}.jobs (task_id) WHERE task_id IS NOT NULL;
 
 -- Dead letters, newest first.
 CREATE INDEX jobs_dead_idx ON {schema}.jobs (queue, updated_at DESC) WHERE state = 'dead';

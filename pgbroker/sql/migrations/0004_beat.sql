@@ -59,7 +59,7 @@ CREATE INDEX beat_schedule_due_idx ON {schema}.beat_schedule (next_occurrence)
 -- The newest delivery of a Celery task id: a retry (self.retry(), autoretry) is a new row with
 -- the same task id and retries + 1, published before the old one is acked, so the newest row
 -- tells whether a run is still to finish, and when it completed. One SELECT in LANGUAGE sql,
--- STABLE: the planner inlines it (jobs_task_id_idx).
+-- STABLE: the planner inlines it (jobs_task_delivery_idx, led by task_id).
 CREATE FUNCTION {schema}.beat_last_delivery(p_task_id text)
 RETURNS TABLE (state text, updated_at timestamptz)
 LANGUAGE sql STABLE
