@@ -9,7 +9,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY . /app
-RUN pip install . \
+# The admin extra: the admin service runs `pgbroker serve` from this image too.
+RUN pip install '.[admin]' \
     && useradd --create-home --uid 10001 app \
     && chown app /app
 

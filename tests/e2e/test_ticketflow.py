@@ -1,0 +1,282 @@
+"""End to end: ticketflow in real ``celery -A ticketflow worker`` and ``celery -A ticketflow beat``
+processes (celeryconfig.py at the repository root, pointed at the test's database through
+``PGBROKER_DATABASE_URL``), and the demo, ``python -m ticketflow demo``, as a newcomer runs it.
+
+What is checked comes from the database (job rows, payments, e-mails), never from timing: the
+delays printed with ``[figure]`` are for reading (``pytest -s``), not asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy.orm import Session
+
+from tests.helpers import REPO_ROOT, WorkerProcess, run_beat, run_worker, wait_for
+from tests.integration.ticketflow_support import (  # noqa: F401
+    confirmed,
+    event,
+    held,
+    jobs_of,
+    rows,
+    seats_taken,
+    session,
+    tf_url,
+)
+from ticketflow import services, tasks
+from ticketflow.schedule import ENV_EXPIRE_INTERVAL
+
+#: Fast PDF renders, unless a test wants a slow one.
+FAST_PDF = {tasks.ENV_PDF_SECONDS: "0.05"}
+
+
+def start_worker(broker_url: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    """``celery -A ticketflow worker -Q default,email`` (as the README runs it), ready."""
+    return run_worker("ticketflow", broker_url, "-Q", "default,email",
+                      env={**FAST_PDF, **(env or {})}).wait_ready(60)
+
+
+def states(pg: psycopg.Connection, table: str) -> dict[int, str]:
+    return {r["id"]: r["state"] for r in rows(pg, f"SELECT id, state FROM ticketflow.{table}")}
+
+
+def wake(pg: psycopg.Connection, queue: str) -> None:
+    """The NOTIFY a publish sends: the worker claims now rather than at its next poll."""
+    pg.execute("SELECT pg_notify('pgbroker.jobs', '0 ' || %s)", (queue,))
+
+
+# -- beat: expiry --------------------------------------------------------------------------------
+
+def test_holds_past_their_deadline_expire_at_the_next_beat_run(
+        tf_url: str, session: Session, event: int, pg: psycopg.Connection,
+        broker_url: str) -> None:
+    due = [held(session, event, seats=2, hold=1) for _ in range(3)]
+    kept_hold = held(session, event, hold=3600)
+    kept = confirmed(session, event)
+    start_worker(broker_url)
+    beat = run_beat("ticketflow", broker_url, env={ENV_EXPIRE_INTERVAL: "2"})
+
+    wait_for(lambda: all(states(pg, "reservations")[rid] == "expired" for rid in due), 90,
+             message=lambda: f"the expiry of {due}: {states(pg, 'reservations')}\n{beat.log()}")
+    assert states(pg, "reservations") == {**{rid: "expired" for rid in due},
+                                          kept_hold: "held", kept: "confirmed"}
+    assert seats_taken(pg, event) == 2  # the six seats of the expired holds are free again
+    late = rows(pg, "SELECT expired_at - hold_expires_at AS late FROM ticketflow.reservations"
+                    " WHERE state = 'expired'")
+    assert all(r["late"].total_seconds() >= 0 for r in late)  # never before the deadline
+    # The expiries were done by beat's jobs: each occurrence keyed beat:<entry>:<occurrence>.
+    runs = jobs_of(pg, "expire_reservations")
+    assert runs and all(j["idempotency_key"].startswith("beat:expire-reservations:")
+                        for j in runs)
+    assert any(j["state"] == "completed" for j in runs)
+    print(f"\n[figure] expired after the deadline by at most "
+          f"{max(r['late'].total_seconds() for r in late):.1f} s (beat every 2 s)")
+
+
+# -- e-mail: exactly once ------------------------------------------------------------------------
+
+def test_a_confirmation_email_delivered_twice_is_sent_once(
+        tf_url: str, session: Session, event: int, pg: psycopg.Connection,
+        broker_url: str) -> None:
+    rid = confirmed(session, event)  # job 1, written in the confirming transaction
+    tasks.send_confirmation_email.delay(rid)  # job 2: the same task published again
+    worker = start_worker(broker_url)
+    wait_for(lambda: [j["state"] for j in jobs_of(pg, "send_confirmation_email")]
+             == ["completed", "completed"], 60, message="both e-mail jobs to run")
+
+    # And a redelivery of the first job (as after a worker lost mid-task): back to pending.
+    first = jobs_of(pg, "send_confirmation_email")[0]
+    pg.execute("UPDATE pgbroker.jobs SET state = 'pending', locked_by = NULL, locked_at = NULL"
+               " WHERE id = %s", (first["id"],))
+    wake(pg, "email")
+    wait_for(lambda: [(j["state"], j["attempts"]) for j in jobs_of(pg, "send_confirmation_email")
+                      if j["id"] == first["id"]] == [("completed", 2)], 60,
+             message="the redelivery to run")
+
+    assert rows(pg, "SELECT reservation_id, kind FROM ticketflow.sent_emails") == [
+        {"reservation_id": rid, "kind": "confirmation"}]
+    assert worker.log().count(f"confirmation e-mail of reservation {rid} already sent") == 2
+
+
+# -- payments: retries with backoff, dead letters ------------------------------------------------
+
+def test_payments_retry_transient_failures_with_backoff_and_dead_letter_the_rest(
+        tf_url: str, session: Session, event: int, pg: psycopg.Connection,
+        broker_url: str) -> None:
+    flaky = services.pay(session, confirmed(session, event), "transient-2")
+    declined = services.pay(session, confirmed(session, event), "declined")
+    hopeless = services.pay(session, confirmed(session, event), "transient-99")
+    start_worker(broker_url)
+
+    def settled() -> bool:  # the payments final, and so the jobs (acked after on_failure)
+        return "pending" not in states(pg, "payments").values() and all(
+            j["state"] in ("completed", "dead") for j in jobs_of(pg, "charge_payment"))
+
+    wait_for(settled, 120, message=lambda: f"every payment to end: {states(pg, 'payments')}")
+    payments = {r["id"]: r for r in rows(pg, "SELECT * FROM ticketflow.payments")}
+
+    # transient-2: two gateway timeouts, two Celery retries (new job rows), then success
+    assert payments[flaky.id]["state"] == "succeeded"
+    assert payments[flaky.id]["gateway_calls"] == 3
+    charges = [j for j in jobs_of(pg, "charge_payment") if j["arg"] == flaky.id]
+    assert [(j["retries"], j["state"]) for j in charges] == [
+        (0, "completed"), (1, "completed"), (2, "completed")]
+    calls = rows(pg, "SELECT call, outcome, at FROM ticketflow.payment_attempts"
+                     " WHERE payment_id = %s ORDER BY call", flaky.id)
+    assert [c["outcome"] for c in calls] == ["transient", "transient", "succeeded"]
+    delays = []
+    for retry, call in zip(charges[1:], calls[1:]):
+        delay = (retry["run_at"] - retry["created_at"]).total_seconds()
+        delays.append(delay)
+        # retry_backoff with full jitter: a countdown from 0 to 2**(retries - 1) seconds (not
+        # Celery's default retry delay of 3 minutes), and the retry did not run before it
+        assert 0 <= delay <= 2 ** (retry["retries"] - 1) + 1, delay
+        assert call["at"] >= retry["run_at"]
+    wait_for(lambda: rows(pg, "SELECT reservation_id FROM ticketflow.tickets") == [
+        {"reservation_id": flaky.reservation_id}], 60, message="the PDF ticket")
+
+    # declined: permanent, not retried; the job is a dead letter with its error
+    [dead] = [j for j in jobs_of(pg, "charge_payment") if j["arg"] == declined.id]
+    assert dead["state"] == "dead" and dead["retries"] == 0
+    assert "PaymentDeclined" in dead["last_error"] and "card declined" in dead["last_error"]
+    assert payments[declined.id]["state"] == "failed"
+    assert payments[declined.id]["gateway_calls"] == 1
+    assert payments[declined.id]["last_error"].startswith("PaymentDeclined: card declined")
+
+    # transient-99: retried max_retries times, then the last failure is a dead letter
+    given_up = [j for j in jobs_of(pg, "charge_payment") if j["arg"] == hopeless.id]
+    assert [j["retries"] for j in given_up] == list(range(tasks.CHARGE_MAX_RETRIES + 1))
+    assert [j["state"] for j in given_up] == ["completed"] * tasks.CHARGE_MAX_RETRIES + ["dead"]
+    assert "TransientPaymentError" in given_up[-1]["last_error"]
+    assert payments[hopeless.id]["state"] == "failed"
+    assert payments[hopeless.id]["gateway_calls"] == tasks.CHARGE_MAX_RETRIES + 1
+    print("\n[figure] charge retry delays (backoff with jitter): "
+          + ", ".join(f"{d:.2f} s" for d in delays))
+
+
+# -- the slow task's time limits -----------------------------------------------------------------
+
+def test_a_pdf_render_over_its_soft_time_limit_ends_dead_with_the_error(
+        tf_url: str, session: Session, event: int, pg: psycopg.Connection,
+        broker_url: str) -> None:
+    rid = confirmed(session, event)
+    start_worker(broker_url, env={tasks.ENV_PDF_SECONDS: "60"})
+    tasks.render_ticket_pdf.apply_async((rid,), soft_time_limit=1, time_limit=30)
+    [job] = wait_for(lambda: [j for j in jobs_of(pg, "render_ticket_pdf")
+                              if j["state"] not in ("pending", "running")], 60,
+                     message="the render to end")
+    assert job["state"] == "dead" and "SoftTimeLimitExceeded" in job["last_error"]
+    assert rows(pg, "SELECT * FROM ticketflow.tickets") == []
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+def run_demo(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ticketflow", "demo", *args], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def demo_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PGBROKER_DATABASE_URL", ENV_EXPIRE_INTERVAL, tasks.ENV_PDF_SECONDS)}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **extra}
+
+
+def final_counts(output: str) -> dict[str, int]:
+    """The numbers of the demo's 'Final counts' block, as {'<line> <word>': n}."""
+    assert "Final counts" in output, output
+    block = output.split("Final counts", 1)[1]
+    counts: dict[str, int] = {}
+    for line in block.splitlines()[1:7]:
+        label, total, rest = re.match(r"\s+(\S+(?: \S+)?)\s+(\d+)(.*)", line).groups()
+        counts[label] = int(total)
+        for word, number in re.findall(r"([a-z]+(?: [a-z]+)?) (\d+)", rest):
+            counts[f"{label} {word}"] = int(number)
+    return counts
+
+
+def children_gone(output: str) -> None:
+    """The worker and beat the demo started, and the worker's pool, have all exited."""
+    pids = [int(p) for p in re.findall(r"Started worker \(pid (\d+)\) and beat \(pid (\d+)\)",
+                                       output)[0]]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # no process left in its group
+        assert re.search(rf"\(pid {pid}\) exited with status 0", output), output
+
+
+def test_the_short_demo_runs_to_completion_and_prints_its_counts(
+        db_url: str, pg: psycopg.Connection, tmp_path: Path) -> None:
+    done = run_demo("--short", "--log-dir", str(tmp_path),
+                    env=demo_env(PGBROKER_DATABASE_URL=db_url))
+    assert done.returncode == 0, done.stdout + done.stderr
+    counts = final_counts(done.stdout)
+    # what it printed is what the database holds
+    reservations = dict(pg.execute("SELECT state, count(*) FROM ticketflow.reservations"
+                                   " GROUP BY state").fetchall())
+    assert counts["reservations"] == 200 == sum(reservations.values())
+    assert counts["reservations held"] == 0 and "held" not in reservations
+    assert counts["reservations expired"] == reservations["expired"] == 40
+    assert counts["reservations confirmed"] == reservations["confirmed"] == 160
+    assert counts["e-mails sent"] == 160
+    assert pg.execute("SELECT count(DISTINCT reservation_id) FROM ticketflow.sent_emails"
+                      ).fetchone()[0] == 160
+    assert counts["payments failed"] == 1 and counts["payments pending"] == 0
+    assert counts["tickets"] == counts["payments succeeded"]
+    assert counts["dead letters"] == 1 == counts["jobs dead"]
+    assert counts["jobs retries"] > 0
+    assert "dead letter: ticketflow.tasks.charge_payment: PaymentDeclined" in done.stdout
+    assert "pgbroker serve" in done.stdout and "/metrics" in done.stdout
+    assert "pgbroker stats" in done.stdout
+    children_gone(done.stdout)
+
+
+def test_ctrl_c_stops_the_demo_and_its_worker_and_beat_cleanly(
+        db_url: str, tmp_path: Path) -> None:
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "ticketflow", "demo", "--log-dir", str(tmp_path)], cwd=REPO_ROOT,
+        env=demo_env(PGBROKER_DATABASE_URL=db_url), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        for line in demo.stdout:  # the first live refresh: reservations are being made
+            lines.append(line)
+            if "e-mails sent" in line:
+                break
+        # Ctrl-C once the worker and beat run (before, SIGTERM's default action ends them)
+        logs = {name: tmp_path / f"{name}.log" for name in ("worker", "beat")}
+        wait_for(lambda: "ready." in logs["worker"].read_text(), 60, message="worker ready")
+        wait_for(lambda: "beat: Starting" in logs["beat"].read_text(), 60, message="beat up")
+        demo.send_signal(signal.SIGINT)
+        output = "".join(lines) + demo.communicate(timeout=90)[0]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 0, output
+    assert "Ctrl-C: stopping the worker and beat" in output
+    children_gone(output)
+    assert "Warm shutdown" in logs["worker"].read_text()
+
+
+def test_the_demo_starts_an_embedded_server_when_there_is_no_other(tmp_path: Path) -> None:
+    pytest.importorskip("pgserver")
+    done = run_demo("--short", "--reservations", "30", "--log-dir", str(tmp_path),
+                    env=demo_env(PGBROKER_EMBEDDED="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "an embedded PostgreSQL server" in done.stdout
+    counts = final_counts(done.stdout)
+    assert counts["reservations"] == 30 and counts["reservations held"] == 0
+    assert counts["e-mails sent"] == counts["reservations confirmed"]
+    # the children used the embedded server's socket, which the demo stopped and removed
+    socket_dir = re.search(r"\?host=([^&\s)]+)", done.stdout)[1]
+    assert not Path(socket_dir).exists()
+    children_gone(done.stdout)

@@ -1,0 +1,81 @@
+"""Fixtures and look-ups shared by the ticketflow tests (tests/integration/test_ticketflow_services.py
+and tests/e2e/test_ticketflow.py).
+
+``ticketflow.app`` is pointed at the test's database for the duration of a test and made Celery's
+current app (other test modules create apps of their own, and a ``@shared_task`` resolves through
+the current app).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import current_app
+from psycopg.rows import dict_row
+from sqlalchemy.orm import Session
+
+import ticketflow
+from tests.e2e.support import point_producer
+from ticketflow import db, services
+
+__all__ = ["tf_url", "session", "event", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
+
+
+@pytest.fixture
+def tf_url(broker_url: str, db_url: str) -> Iterator[str]:
+    """``db_url`` with ticketflow's schema migrated; ``ticketflow.app`` publishes there."""
+    db.migrate(db_url)
+    app = ticketflow.app
+    options = dict(app.conf.broker_transport_options)
+    original = app.conf.broker_url
+    previous = current_app._get_current_object()
+    point_producer(app, broker_url, options)
+    app.set_current()
+    try:
+        yield db_url
+    finally:
+        db.dispose()
+        point_producer(app, original, options)
+        previous.set_current()
+
+
+@pytest.fixture
+def session(tf_url: str) -> Iterator[Session]:
+    with db.session(tf_url) as s:
+        yield s
+
+
+@pytest.fixture
+def event(session: Session) -> int:
+    """An event with 20 seats; returns its id."""
+    return services.create_event(session, "Test concert", 20).id
+
+
+def rows(pg: psycopg.Connection, query: str, *params: Any) -> list[dict[str, Any]]:
+    return pg.cursor(row_factory=dict_row).execute(query, params).fetchall()
+
+
+def jobs_of(pg: psycopg.Connection, task: str) -> list[dict[str, Any]]:
+    """The pgbroker job rows of a ticketflow task (short name), with their first argument as
+    ``arg`` (the JSON body of a Celery protocol 2 message is ``[args, kwargs, embed]``)."""
+    return rows(pg, "SELECT *, (convert_from(body, 'UTF8')::jsonb -> 0 ->> 0)::bigint AS arg"
+                    " FROM pgbroker.jobs WHERE task = %s ORDER BY created_at, retries",
+                f"ticketflow.tasks.{task}")
+
+
+def held(session: Session, event_id: int, seats: int = 1, hold: float = 600) -> int:
+    """A new held reservation (``hold`` seconds); returns its id."""
+    return services.reserve(session, event_id, "fan@example.com", seats, hold_seconds=hold).id
+
+
+def confirmed(session: Session, event_id: int, seats: int = 1) -> int:
+    """A new confirmed reservation (its e-mail job enqueued); returns its id."""
+    return services.confirm(session, held(session, event_id, seats)).id
+
+
+def seats_taken(pg: psycopg.Connection, event_id: int) -> int:
+    return pg.execute("SELECT seats_taken FROM ticketflow.events WHERE id = %s",
+                      (event_id,)).fetchone()[0]
