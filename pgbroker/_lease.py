@@ -45,8 +45,14 @@ class Lease:
         self._started = False
         self._mutex = threading.Lock()
 
-    def ensure(self) -> uuid.UUID:
-        """Register (once) and start heartbeating; returns the consumer id to claim with."""
+    def ensure(self, refresh: bool = False) -> uuid.UUID:
+        """Register (once) and start heartbeating; returns the consumer id to claim with.
+        ``refresh``: the consumed queues changed, write them now rather than at the next beat
+        (a queue with x-expires must never look unconsumed)."""
+        if self._started:
+            if refresh:
+                self._store.heartbeat(self.id, self._queues())
+            return self.id
         if not self._started:
             with self._mutex:
                 if not self._started:

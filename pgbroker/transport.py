@@ -31,6 +31,8 @@ This module is glue: every statement is in :mod:`pgbroker._store`, every message
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import os
 import select
@@ -166,6 +168,9 @@ class _TopicExchange(TopicExchange):
     """Topic routing like AMQP; a transient message (worker events) goes to the live consumers
     as a broadcast instead of a row per bound queue, so events never pile up in ``jobs``."""
 
+    def lookup(self, table: Any, exchange: str, routing_key: str, default: Any) -> set[str]:
+        return {queue for key, _, queue in table if topic_matches(key, routing_key)}
+
     def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
                 **kwargs: Any) -> None:
         if message["properties"].get("delivery_mode") == TRANSIENT:
@@ -174,7 +179,20 @@ class _TopicExchange(TopicExchange):
             super().deliver(message, exchange, routing_key, **kwargs)
 
 
-_TOPIC = TopicExchange(None)
+def topic_matches(binding_key: str, routing_key: str) -> bool:
+    """AMQP topic matching, word by word: ``*`` is exactly one word, ``#`` zero or more
+    (kombu's regex makes ``#`` need at least one, so ``stock.#`` missed ``stock``)."""
+    pattern, words = binding_key.split("."), routing_key.split(".")
+
+    @functools.cache
+    def match(i: int, j: int) -> bool:
+        if i == len(pattern):
+            return j == len(words)
+        if pattern[i] == "#":
+            return match(i + 1, j) or (j < len(words) and match(i, j + 1))
+        return j < len(words) and pattern[i] in ("*", words[j]) and match(i + 1, j + 1)
+
+    return match(0, 0)
 
 
 def _matches(exchange_type: str, binding_key: str, routing_key: str) -> bool:
@@ -182,7 +200,7 @@ def _matches(exchange_type: str, binding_key: str, routing_key: str) -> bool:
     if exchange_type == "fanout":
         return True
     if exchange_type == "topic":
-        return _TOPIC._match(_TOPIC.key_to_pattern(binding_key), routing_key) is not None
+        return topic_matches(binding_key, routing_key)
     return binding_key == routing_key
 
 
@@ -252,7 +270,8 @@ class Channel(virtual.Channel):
         return super().typeof(exchange, default)
 
     def _bindings(self, exchange: str) -> list[tuple[str, str]]:
-        """The exchange's bindings from the database, cached for BINDINGS_TTL seconds."""
+        """The exchange's bindings from the database, cached for BINDINGS_TTL seconds: only to
+        skip writing broadcasts nobody would read (worker events with no monitor running)."""
         cached = self._bound.get(exchange)
         if cached is None or monotonic() - cached[0] > BINDINGS_TTL:
             cached = (monotonic(), self.store.bindings(exchange))
@@ -263,9 +282,10 @@ class Channel(virtual.Channel):
         found = super()._lookup(exchange, routing_key, default)
         if found or not exchange:
             return list(found)
-        # Bound by another process (a client's reply queue): ask the database.
+        # Bound by another process (a client's reply queue): ask the database, every time -- a
+        # cached answer would drop a reply to a queue bound a moment ago, or feed a deleted one.
         kind = self.typeof(exchange).type
-        return [queue for key, queue in self._bindings(exchange)
+        return [queue for key, queue in self.store.bindings(exchange)
                 if _matches(kind, key, routing_key)]
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
@@ -332,7 +352,7 @@ class Channel(virtual.Channel):
         validate_queue_name(queue)
         self.transport._listen()  # before the first claim, or a NOTIFY could fall in between
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
-        self.transport.lease.ensure()  # registered with this queue listed
+        self.transport.lease.ensure(refresh=True)  # listed at once: x-expires must not hit it
         if no_ack:
             self._no_ack.add(queue)
         self._more = True
@@ -350,6 +370,8 @@ class Channel(virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack.discard(queue)
+            if "lease" in self.transport.__dict__:
+                self.transport.lease.ensure(refresh=True)
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -405,7 +427,7 @@ class Channel(virtual.Channel):
             for row in rows:
                 payload = self._payload(row)
                 if payload is not None:
-                    self.connection._deliver(payload, row.queue)
+                    self.transport.hand_over(self, payload, row.queue)
                     handed.append(payload["properties"]["delivery_tag"])
                     delivered += 1
             if handed and queue in self._no_ack:
@@ -440,6 +462,7 @@ class Channel(virtual.Channel):
     def close(self) -> None:
         if not self.closed:
             try:
+                self.transport.give_back(self)
                 self.flush_acks()
             except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
                 logger.warning("pgbroker: %d ack(s) not written at close: %s",
@@ -482,6 +505,8 @@ class Transport(virtual.Transport):
         self._wake: tuple[int, int] | None = None  # self-pipe waking the event loop for a turn
         self._turn_requested = False
         self._last_poll = monotonic()
+        #: claimed or broadcast messages waiting for drain_events (synchronous path only)
+        self._ready: collections.deque[tuple[Channel, dict[str, Any], str]] = collections.deque()
 
     @staticmethod
     def _conninfo(client: Any) -> str:
@@ -588,7 +613,8 @@ class Transport(virtual.Transport):
 
     def _deliver_broadcast(self, broadcast_id: str, exchange: str) -> int:
         """Hand a broadcast to this process's consumed queues bound to ``exchange``."""
-        bound = [(queue, key) for channel in self.channels for queue in channel._active_queues
+        bound = [(channel, queue, key) for channel in self.channels
+                 for queue in channel._active_queues
                  for ex, key, _ in self.state.queue_bindings(queue) if ex == exchange]
         if not bound:
             return 0
@@ -601,9 +627,9 @@ class Transport(virtual.Transport):
         _, routing_key, body, content_type, content_encoding, headers, properties = row
         kind = self.state.exchanges.get(exchange, {}).get("type", "fanout")
         delivered = 0
-        for n, (queue, key) in enumerate(bound):
+        for n, (channel, queue, key) in enumerate(bound):
             if _matches(kind, key, routing_key):
-                self._deliver(kombu_payload(
+                self.hand_over(channel, kombu_payload(
                     body, content_type, content_encoding, headers, properties, exchange,
                     routing_key, 0, f"b/{broadcast_id}/{n}", redelivered=False), queue)
                 delivered += 1
@@ -741,14 +767,36 @@ class Transport(virtual.Transport):
 
     # -- the synchronous path (plain kombu consumers, celery inspect clients) --------------------
 
+    def hand_over(self, channel: Channel, payload: dict[str, Any], queue: str) -> None:
+        """Deliver now inside the worker's event loop; on the synchronous path, keep it for
+        ``drain_events``, which hands over one message per call (kombu's mailbox counts replies
+        by calls, so a batch in one call would make it wait for replies it already has)."""
+        if self._loop is not None:
+            self._deliver(payload, queue)
+        else:
+            self._ready.append((channel, payload, queue))
+
+    def give_back(self, channel: Channel) -> None:
+        """Requeue what ``channel`` claimed but has not handed over yet (it is closing)."""
+        kept = [item for item in self._ready if item[0] is not channel]
+        mine = [item[1]["properties"]["delivery_tag"] for item in self._ready
+                if item[0] is channel]
+        self._ready.clear()
+        self._ready.extend(kept)
+        deliveries = [d[:2] for d in map(parse_delivery_tag, mine) if d is not None and not d[2]]
+        if deliveries:
+            channel.store.requeue(deliveries, "restored unacked")
+
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         deadline = None if timeout is None else monotonic() + timeout
         while True:
-            delivered = 0
-            for channel in list(self.channels):
-                if channel._more and channel._active_queues:
-                    delivered += channel.claim_and_deliver()
-            if delivered:
+            if not self._ready:
+                for channel in list(self.channels):
+                    if channel._more and channel._active_queues:
+                        channel.claim_and_deliver()
+            if self._ready:
+                _, payload, queue = self._ready.popleft()
+                self._deliver(payload, queue)
                 return
             self._refresh_due()
             now = monotonic()
@@ -765,9 +813,8 @@ class Transport(virtual.Transport):
                 if now >= deadline:
                     raise socket.timeout()
                 wait = min(wait, deadline - now)
-            if _wait_readable(self._listen().fileno(), max(wait, 0)) and \
-                    self._read_notifications():
-                return
+            if _wait_readable(self._listen().fileno(), max(wait, 0)):
+                self._read_notifications()
 
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None

@@ -106,3 +106,24 @@ def boom(self, key: str) -> None:
     """Always raises: a final failure."""
     record(self, key)
     raise ValueError(f"boom {key}")
+
+
+# -- remote control (tests/e2e/test_remote_control.py) -------------------------------------------
+# Imported here, not at the top: this section is appended for the remote-control tests.
+import hashlib
+
+from celery.worker.control import control_command
+
+
+@control_command(args=[("payload", str)], signature="<payload>")
+def payload_digest(state, payload: str) -> dict:
+    """Reply with the size and SHA-256 of a broadcast's argument: proves that a worker received
+    all of a large broadcast (pg_notify stops at 8000 bytes)."""
+    return {"ok": {"size": len(payload), "sha256": hashlib.sha256(payload.encode()).hexdigest()}}
+
+
+@control_command(args=[("seconds", float)], signature="<seconds>")
+def slow_pong(state, seconds: float) -> dict:
+    """Reply "pong" after ``seconds``: lets a test kill the client before the reply comes."""
+    time.sleep(seconds)
+    return {"ok": "pong"}
