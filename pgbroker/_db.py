@@ -36,6 +36,9 @@ _KEEPALIVES = {
     "keepalives_idle": 10,
     "keepalives_interval": 5,
     "keepalives_count": 3,
+    # Unacknowledged data for this long ends the connection: a partitioned worker notices in
+    # seconds instead of the kernel's ~15 minutes of retransmissions.
+    "tcp_user_timeout": 30000,
 }
 
 
@@ -118,9 +121,17 @@ def connect_kwargs(application_name: str = "pgbroker",
 def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 10.0,
             application_name: str = "pgbroker", **kwargs: Any) -> psycopg.Connection[Any]:
     """Open a connection, translating failures to :class:`DatabaseUnavailable`."""
-    params = {**connect_kwargs(application_name, connect_timeout), **kwargs}
+    url = libpq_url(conninfo)
     try:
-        conn = psycopg.connect(libpq_url(conninfo), autocommit=autocommit, **params)
+        given = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"invalid database URL {mask_password(url)}: {exc}") from None
+    # Defaults only: keepalives, timeouts or a name set in the URL win.
+    params = {k: v for k, v in connect_kwargs(application_name, connect_timeout).items()
+              if k not in given}
+    params.update(kwargs)
+    try:
+        conn = psycopg.connect(url, autocommit=autocommit, **params)
     except psycopg.Error as exc:
         raise DatabaseUnavailable(
             f"cannot connect to PostgreSQL at {mask_password(libpq_url(conninfo))}: "

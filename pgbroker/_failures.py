@@ -64,5 +64,24 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
         logger.warning("pgbroker: could not record the failure of delivery %s: %s", tag, exc)
 
 
+def on_task_unknown(sender: Any = None, name: str | None = None, message: Any = None,
+                    **_: Any) -> None:
+    """Celery rejects a message for a task no worker knows ('rejected by the consumer'): name
+    the task in its dead row, so the operator sees why."""
+    tag = getattr(message, "delivery_tag", None)
+    delivery = parse_delivery_tag(tag) if isinstance(tag, str) and "/" in tag else None
+    if delivery is None:
+        return
+    try:
+        store = _store_for(sender.app)
+        if store is not None:
+            store.fail(delivery[0], delivery[1],
+                       f"unregistered task {name!r}: no worker consuming this queue knows it",
+                       None)
+    except Exception as exc:  # noqa: BLE001 - the rejection itself already happened
+        logger.warning("pgbroker: could not record the unknown task %r: %s", name, exc)
+
+
 def connect() -> None:
     signals.task_failure.connect(on_task_failure, weak=False, dispatch_uid="pgbroker.failures")
+    signals.task_unknown.connect(on_task_unknown, weak=False, dispatch_uid="pgbroker.unknown")

@@ -104,6 +104,9 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
         headers = {k: v for k, v in headers.items() if k != DELIVERY_HEADER}
     properties = dict(message.get("properties") or {})
     info = properties.get("delivery_info") or {}
+    for what in ("exchange", "routing_key"):
+        if info.get(what):
+            validate_queue_name(info[what], what.replace("_", " "))
     for key in _DROPPED_PROPERTIES:
         properties.pop(key, None)
     task = headers.get("task")

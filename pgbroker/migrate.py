@@ -75,6 +75,15 @@ def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],
     ident = f'"{schema}"'
     conn = _db.connect(conninfo, autocommit=False, application_name=f"{what} migrate")
     try:
+        # Up to date already: no lock and no DDL, so an application role without CREATE on the
+        # database (see docs/security.md) can start with auto_migrate on.
+        with _db.translate_errors(f"checking the {what} schema"), conn.transaction():
+            if conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                            (f"{ident}.migrations",)).fetchone()[0]:  # type: ignore[index]
+                done = {r[0] for r in conn.execute(f"SELECT version FROM {ident}.migrations")}
+                _refuse_newer(done, schema, migrations[-1].version, what)
+                if all(m.version in done for m in migrations):
+                    return []
         with _db.translate_errors(f"migrating the {what} schema"), conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (_lock_key(schema),))
             conn.execute(f"CREATE SCHEMA IF NOT EXISTS {ident}")

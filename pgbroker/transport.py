@@ -446,7 +446,11 @@ class Channel(virtual.Channel):
                 raise TypeError("headers and properties must be JSON objects")
             tag = _delivery_tag(row.id, row.attempt,
                                 row.properties.get("delivery_mode") == TRANSIENT)
-            return kombu_payload(row.body, row.content_type, row.content_encoding, row.headers,
+            # The database found this job due by its own clock: without the eta header, a
+            # worker whose clock is behind does not hold it in memory until its clock agrees.
+            headers = row.headers if "eta" not in row.headers else {
+                k: v for k, v in row.headers.items() if k != "eta"}
+            return kombu_payload(row.body, row.content_type, row.content_encoding, headers,
                                  row.properties, row.exchange, row.routing_key, row.priority,
                                  tag, redelivered=row.attempt > 1)
         except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer

@@ -133,7 +133,8 @@ SET last_error = %(error)s, last_traceback = %(traceback)s, failed_attempt = att
     -- acked on receipt (acks_late off), the row is already 'completed': it failed after all
     state = CASE WHEN state = 'completed' THEN 'dead' ELSE state END,
     updated_at = now()
-WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed');
+-- (and a delivery Celery already rejected: the reason replaces the generic one)
+WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed', 'dead');
 
 -- name: job_requeue
 -- A delivery given back (reject with requeue, shutdown with prefetched messages, recover): the
