@@ -168,8 +168,8 @@ def translate_errors(what: str) -> Iterator[None]:
     except PgBrokerError:
         raise
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        if isinstance(exc, psycopg.errors.QueryCanceled):
-            raise
+        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.TransactionRollback)):
+            raise  # a timeout, a deadlock: the statement failed, the connection is fine
         raise DatabaseUnavailable(f"{what}: {_first_line(exc)}") from exc
 
 
