@@ -281,9 +281,6 @@ class Store:
     def delete_queue(self, name: str) -> None:
         self._execute("queue_delete", {"name": name})
 
-    def paused(self, names: Sequence[str]) -> set[str]:
-        return {r[0] for r in self._execute("queue_paused", {"names": list(names)})}
-
     # -- maintenance (the sweeper) ---------------------------------------------------------------
 
     def rescue(self, lock_class: int, limit: int = 1000) -> tuple[int, int, int]:

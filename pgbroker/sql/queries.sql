@@ -308,9 +308,6 @@ WITH purged AS (
 )
 DELETE FROM {schema}.queues WHERE name = %(name)s;
 
--- name: queue_paused
-SELECT name FROM {schema}.queues WHERE name = ANY(%(names)s) AND paused;
-
 -- name: consumer_register
 INSERT INTO {schema}.consumers (id, host, pid, queues, lock_key)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(lock_key)s)

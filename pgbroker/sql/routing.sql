@@ -66,7 +66,3 @@ WITH idle AS MATERIALIZED (
     DELETE FROM {schema}.jobs WHERE queue IN (SELECT name FROM idle) AND state <> 'dead'
 )
 DELETE FROM {schema}.queues WHERE name IN (SELECT name FROM idle);
-
--- name: queue_touch
--- Consumers keep their queues from expiring (x-expires counts idle time).
-UPDATE {schema}.queues SET last_used_at = now() WHERE name = ANY(%(names)s);
