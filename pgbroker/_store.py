@@ -148,9 +148,14 @@ class Store:
                 ensure_migrated(self.conninfo, self.settings.schema)
             conn = _db.connect(self.conninfo, connect_timeout=self.settings.connect_timeout,
                                application_name=self._application_name)
-            if not self.settings.auto_migrate:
-                with _db.translate_errors("checking the pgbroker schema"):
+            with _db.translate_errors("checking the pgbroker schema"):
+                if not self.settings.auto_migrate:
                     check_schema(conn, self.settings.schema)
+                # psycopg prepares a statement at its 5th execution; PostgreSQL would then still
+                # plan it anew on every execution (its custom plans look cheaper), which was 40 %
+                # of a claim. Every statement here is written for its generic plan, and the
+                # claim's is asserted in tests/bench/test_query_plans.py.
+                conn.execute("SET plan_cache_mode = force_generic_plan")
             self._conn = conn
             self._sync = None
             return conn
