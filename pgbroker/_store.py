@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import socket
 import threading
 import uuid
@@ -21,6 +22,7 @@ from importlib import resources
 from typing import Any
 
 import psycopg
+from psycopg.adapt import Transformer
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
@@ -29,7 +31,7 @@ from .migrate import check as check_schema
 from .migrate import migrate as run_migrations
 from .settings import Settings
 
-__all__ = ["Store", "JobRow", "NewJob", "queries"]
+__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "queries"]
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +370,125 @@ class Store:
 
     def unregister_consumer(self, consumer: uuid.UUID) -> None:
         self._execute("consumer_unregister", {"id": consumer})
+
+
+class LoopStatements:
+    """Claims and acks that the worker's event loop sends without waiting for them.
+
+    They run on the consumer's LISTEN connection, whose socket the loop watches anyway: a claim
+    (with the deferred acks folded in) is sent and the loop goes on handing tasks to the pool and
+    reading their results while PostgreSQL works; the rows are read when the socket says they
+    are there. A blocking claim kept the loop waiting for most of every task's time. One
+    statement is in flight at a time; only the loop's thread uses this connection.
+    """
+
+    _STATEMENTS = {b"pgbroker_claim": "job_claim", b"pgbroker_ack": "job_ack"}
+    _TYPES = {"queue": 25, "limit": 23, "consumer": 2950, "ids": 2951, "attempts": 1007}
+
+    def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
+        self._pgconn = conn.pgconn
+        self._order: dict[bytes, list[str]] = {}
+        q = queries(settings.schema)
+        with _db.translate_errors("preparing the claim"):
+            conn.execute("SET synchronous_commit = " + ("on" if settings.durable_acks else "off"))
+            conn.execute("SET plan_cache_mode = force_generic_plan")
+            for name, key in self._STATEMENTS.items():
+                text, self._order[name] = _numbered(q[key])
+                _check(self._pgconn.prepare(name, text, [self._TYPES[n] for n in self._order[name]]))
+        self._tx = Transformer(conn)
+        self._sent: tuple[bytes, list[bytes]] | None = None
+        self._results: list[Any] = []
+        self._retries = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._sent is not None
+
+    def send_claim(self, queue: str, limit: int, consumer: uuid.UUID,
+                   acks: Sequence[tuple[uuid.UUID, int]]) -> None:
+        ids, attempts = _text_arrays(acks)
+        self._send(b"pgbroker_claim", {"queue": queue.encode(), "limit": b"%d" % limit,
+                                       "consumer": str(consumer).encode(), "ids": ids,
+                                       "attempts": attempts})
+
+    def send_ack(self, acks: Sequence[tuple[uuid.UUID, int]]) -> None:
+        ids, attempts = _text_arrays(acks)
+        self._send(b"pgbroker_ack", {"ids": ids, "attempts": attempts})
+
+    def _send(self, name: bytes, params: dict[str, bytes]) -> None:
+        assert self._sent is None, "a statement is in flight already"
+        values = [params[n] for n in self._order[name]]
+        with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
+            self._pgconn.send_query_prepared(name, values, result_format=psycopg.pq.Format.BINARY)
+        self._sent = (name, values)
+
+    def result(self, wait: bool = False) -> list[JobRow] | None:
+        """The claimed rows (none for an ack) once the statement in flight has finished; None
+        while it runs (or without one). The caller has read the socket (``consume_input``)."""
+        pg = self._pgconn
+        while self._sent is not None:
+            name, values = self._sent
+            with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
+                while True:
+                    if pg.is_busy():
+                        if not wait:
+                            return None
+                        # wait in Python: libpq's own wait would hold the GIL meanwhile
+                        select.select([pg.socket], [], [])
+                        pg.consume_input()
+                        continue
+                    res = pg.get_result()
+                    if res is None:
+                        break
+                    self._results.append(res)
+            self._sent = None
+            (res,), self._results = self._results, []
+            if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+                error = psycopg.errors.error_from_result(res)
+                if isinstance(error, psycopg.errors.DeadlockDetected) and self._retries < 2:
+                    # rolled back, acks included (see Store.claim): send it again
+                    self._retries += 1
+                    with _db.translate_errors("pgbroker claim"):
+                        pg.send_query_prepared(name, values,
+                                               result_format=psycopg.pq.Format.BINARY)
+                    self._sent = (name, values)
+                    continue
+                self._retries = 0
+                raise error
+            self._retries = 0
+            if name != b"pgbroker_claim":
+                return []
+            self._tx.set_pgresult(res)
+            rows = self._tx.load_rows(0, res.ntuples, lambda values: JobRow(*values))
+            rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
+            return rows
+        return None
+
+
+def _numbered(query: str) -> tuple[bytes, list[str]]:
+    """A query with ``%(name)s`` placeholders as ``$n`` (for a server-side PREPARE), and the
+    names in their ``$n`` order."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", number, query).replace("%%", "%")
+    return text.encode(), names
+
+
+def _text_arrays(deliveries: Sequence[tuple[uuid.UUID, int]]) -> tuple[bytes, bytes]:
+    """``(ids, attempts)`` as PostgreSQL array literals (text-format parameters)."""
+    ids = ",".join(str(job_id) for job_id, _ in deliveries)
+    attempts = ",".join(str(attempt) for _, attempt in deliveries)
+    return f"{{{ids}}}".encode(), f"{{{attempts}}}".encode()
+
+
+def _check(result: Any) -> None:
+    if result.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+        raise psycopg.errors.error_from_result(result)
 
 
 def _split(deliveries: Iterable[tuple[uuid.UUID, int]]) -> tuple[list[uuid.UUID], list[int]]:

@@ -62,7 +62,7 @@ from ._messages import (
     parse_delivery_tag,
     validate_queue_name,
 )
-from ._store import JobRow, NewJob, Store
+from ._store import JobRow, LoopStatements, NewJob, Store
 from .enqueue import _current_target
 from .errors import DatabaseUnavailable
 from .settings import Settings
@@ -224,6 +224,7 @@ class Channel(virtual.Channel):
         self._undecodable: dict[str, str] = {}
         self._more = True          # a claim may find something
         self._rotation = 0         # fairness between queues
+        self._round: list[str] = []  # event loop: the queues still to claim from in this round
         self._declared: set[str] = set()
         self._no_ack: set[str] = set()   # queues consumed with no_ack: acked at claim
         self.pending_acks: list[tuple[uuid.UUID, int]] = []  # deferred acks (event loop mode)
@@ -401,6 +402,7 @@ class Channel(virtual.Channel):
 
     def flush_acks(self) -> None:
         """Write the deferred acks now."""
+        self.transport.settle()
         acks, self.pending_acks = self.pending_acks, []
         if acks:
             self.store.ack(acks)
@@ -438,6 +440,38 @@ class Channel(virtual.Channel):
         # the poll fallback.
         self._more = full
         return delivered
+
+    def send_claim(self, line: LoopStatements) -> bool:
+        """Event loop: send the claim of the next queue of this round, with the deferred acks,
+        without waiting for it (:meth:`claimed` gets its rows). False: no free prefetch slot."""
+        if not self.qos.can_consume():
+            return False
+        self._round = [q for q in self._round if q in self._active_queues]
+        if not self._round:
+            queues = self._active_queues
+            self._rotation = (self._rotation + 1) % len(queues)
+            self._round = queues[self._rotation:] + queues[:self._rotation]
+            self._more = False  # taken: a NOTIFY or a full batch sets it again
+        want = self.qos.can_consume_max_estimate() or self.settings.claim_batch_max
+        queue = self._round.pop(0)
+        acks, self.pending_acks = self.pending_acks, []
+        line.send_claim(queue, want, self.transport.lease.ensure(), acks)
+        self.transport.in_flight = (self, queue, want)
+        return True
+
+    def claimed(self, queue: str, want: int, rows: list[JobRow]) -> None:
+        """Hand over the rows of a claim sent by :meth:`send_claim`."""
+        handed = []
+        for row in rows:
+            payload = self._payload(row)
+            if payload is not None:
+                self.transport.hand_over(self, payload, row.queue)
+                handed.append(payload["properties"]["delivery_tag"])
+        if handed and queue in self._no_ack:
+            self._ack_at_claim(handed)
+        if len(rows) >= want:  # a full batch: more may be waiting, in a new round
+            self._more = True
+            self._round = []
 
     def _payload(self, row: JobRow) -> dict[str, Any] | None:
         """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""
@@ -501,6 +535,10 @@ class Transport(virtual.Transport):
         self.conninfo = self._conninfo(client)
         self.store = Store(self.conninfo, self.settings)
         self._listener: psycopg.Connection[Any] | None = None
+        #: the event loop's claims and acks, sent on the LISTEN connection without waiting
+        self._line: LoopStatements | None = None
+        #: the claim in flight on it: (channel, queue, how many were asked for)
+        self.in_flight: tuple[Channel, str, int] | None = None
         self._loop: Any = None
         self._timers: list[Any] = []
         self._due_entry: Any = None
@@ -570,6 +608,7 @@ class Transport(virtual.Transport):
                 self.lease.close()
             _db.close(self._listener)
             self._listener = None
+            self._line, self.in_flight = None, None
             if self._wake is not None:
                 for fd in self._wake:
                     os.close(fd)
@@ -583,6 +622,7 @@ class Transport(virtual.Transport):
             with _db.translate_errors("LISTEN"):
                 conn.execute(f'LISTEN "{self.settings.channel}"')
             self._listener = conn
+            self._line, self.in_flight = None, None
         assert self._listener is not None
         return self._listener
 
@@ -686,6 +726,8 @@ class Transport(virtual.Transport):
         self._unregister_loop()
         self._loop = loop
         listener = self._listen()
+        if self._line is None:
+            self._line = LoopStatements(listener, self.settings)
         loop.add_reader(listener.fileno(), self._on_readable)
         if self._wake is None:
             self._wake = os.pipe()
@@ -702,6 +744,10 @@ class Transport(virtual.Transport):
         loop, self._loop = self._loop, None
         if loop is None:
             return
+        try:
+            self.settle()
+        except Exception as exc:  # noqa: BLE001 - its claims are rescued after the lease
+            logger.warning("pgbroker: the claim in flight did not finish: %s", exc)
         for channel in self.channels:  # acks are no longer deferred: write the pending ones
             try:
                 channel.flush_acks()
@@ -751,7 +797,26 @@ class Transport(virtual.Transport):
 
     def _on_readable(self) -> None:
         self._read_notifications()
+        self._take_result()
         self._turn()
+
+    def _take_result(self) -> None:
+        """Hand over the rows of the claim in flight, if it has finished."""
+        if self._line is None or (rows := self._line.result()) is None:
+            return
+        claim, self.in_flight = self.in_flight, None
+        if claim is not None:
+            channel, queue, want = claim
+            channel.claimed(queue, want, rows)
+
+    def settle(self) -> None:
+        """Wait for the statement in flight (closing, restoring): what it claimed goes back."""
+        if self._line is None or not self._line.busy:
+            return
+        claim, self.in_flight = self.in_flight, None
+        rows = self._line.result(wait=True)
+        if rows and claim is not None:
+            self.store.requeue([(row.id, row.attempt) for row in rows], "restored unacked")
 
     def _refresh_due(self) -> None:
         if self._due_dirty:
@@ -761,13 +826,22 @@ class Transport(virtual.Transport):
                 self.schedule_due(self.store.next_due(queues))
 
     def _turn(self) -> None:
-        """One claim turn: deferred acks plus a claim per channel that may find something."""
+        """One turn of the event loop: send a claim (with the deferred acks) for a channel that
+        may find something, or else the acks alone; never wait for it. With a statement in
+        flight, its result starts the next turn."""
         self._refresh_due()
+        line = self._line
+        if line is None or line.busy:
+            return
         for channel in self.channels:
-            if channel._more and channel._active_queues:
-                channel.claim_and_deliver()
-            elif channel.pending_acks:
-                channel.flush_acks()
+            if (channel._more or channel._round) and channel._active_queues \
+                    and channel.send_claim(line):
+                return
+        acks = [ack for channel in self.channels for ack in channel.pending_acks]
+        if acks:
+            for channel in self.channels:
+                channel.pending_acks = []
+            line.send_ack(acks)
 
     # -- the synchronous path (plain kombu consumers, celery inspect clients) --------------------
 

@@ -127,10 +127,11 @@ def _backends(pg: psycopg.Connection, pid: int) -> dict[int, tuple[str, str]]:
 
 
 def _listening(backends: dict[int, tuple[str, str]]) -> bool:
-    """All three connections are open and the LISTEN one has run its LISTEN."""
+    """All three connections are open and the LISTEN one has run its LISTEN (its first
+    statement: the event loop's claims follow it on that connection)."""
     names = {name for name, _ in backends.values()}
     return names >= WORKER_CONNECTIONS and any(
-        name == "pgbroker listen" and query.startswith("LISTEN")
+        name == "pgbroker listen" and query and not query.startswith("SET TIME ZONE")
         for name, query in backends.values())
 
 

@@ -1,0 +1,158 @@
+"""The transport inside an event loop (kombu's Hub, as a Celery worker runs it).
+
+There, claims and acks go out on the LISTEN connection without the loop waiting for them: these
+tests hold a claim in flight with a table lock taken from another session and check that the loop
+goes on meanwhile, that nothing is delivered twice or lost, and what happens to the rows of a
+claim still in flight when the consumer closes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+from kombu.asynchronous import Hub
+
+from tests.integration.transport_support import NO_POLL, connect, counts, jobs, publish
+
+
+class LoopConsumer:
+    """A kombu consumer on a Hub; ``run_until`` turns the loop."""
+
+    def __init__(self, conn: kombu.Connection, queue: str, prefetch: int, ack: bool = True):
+        conn.ensure_connection()
+        self.hub = Hub()
+        conn.transport.register_with_event_loop(conn.connection, self.hub)
+        self.received: list[kombu.Message] = []
+        self.ack = ack
+        self.consumer = kombu.Consumer(conn.channel(), [kombu.Queue(queue)],
+                                       callbacks=[self._on_message], accept=["json"],
+                                       prefetch_count=prefetch)
+        self.consumer.consume()
+        self.loop = self.hub.create_loop()
+
+    def _on_message(self, body: Any, message: kombu.Message) -> None:
+        self.received.append(message)
+        if self.ack:
+            message.ack()
+
+    def run_until(self, predicate: Any, timeout: float = 30.0) -> int:
+        """Turn the loop until ``predicate()``; returns how many turns it took."""
+        deadline = time.monotonic() + timeout
+        turns = 0
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out turning the event loop"
+            next(self.loop)
+            turns += 1
+        return turns
+
+
+@pytest.fixture
+def locker(db_url: str) -> Iterator[psycopg.Connection]:
+    """A session that can hold a lock on the jobs table (claims wait behind it)."""
+    with psycopg.connect(db_url) as conn:
+        yield conn
+        conn.rollback()
+
+
+def lock_jobs(conn: psycopg.Connection) -> None:
+    conn.execute("LOCK TABLE pgbroker.jobs IN EXCLUSIVE MODE")
+
+
+def test_every_message_once_with_acks_folded_into_claims(broker_url: str,
+                                                         pg: psycopg.Connection) -> None:
+    with connect(broker_url) as conn:
+        for n in range(300):
+            publish(conn, n, "loop")
+    with connect(broker_url, **NO_POLL) as conn:
+        consumer = LoopConsumer(conn, "loop", prefetch=4)
+        consumer.run_until(lambda: len(consumer.received) == 300)
+        # the last acks go out with the next turn's statement
+        consumer.run_until(lambda: counts(pg).get("completed") == 300)
+        consumer.hub.close()
+    assert sorted(m.payload for m in consumer.received) == list(range(300))
+    assert {(r["state"], r["attempts"]) for r in jobs(pg)} == {("completed", 1)}
+
+
+def test_the_loop_goes_on_while_a_claim_waits(broker_url: str, pg: psycopg.Connection,
+                                              locker: psycopg.Connection) -> None:
+    with connect(broker_url) as conn:
+        publish(conn, "first", "busy")
+    with connect(broker_url, **NO_POLL) as conn:
+        consumer = LoopConsumer(conn, "busy", prefetch=1)  # claims are sent by the loop
+        lock_jobs(locker)
+        ticks: list[float] = []
+        consumer.hub.call_repeatedly(0.01, lambda: ticks.append(time.monotonic()))
+        consumer.run_until(lambda: len(ticks) >= 20, timeout=10)  # the claim is still waiting
+        assert consumer.received == []
+        assert conn.transport.in_flight is not None
+        locker.rollback()  # the claim goes through
+        consumer.run_until(lambda: len(consumer.received) == 1)
+        assert consumer.received[0].payload == "first"
+        consumer.hub.close()
+
+
+def test_a_publish_during_a_claim_in_flight_is_not_missed(broker_url: str,
+                                                          pg: psycopg.Connection,
+                                                          locker: psycopg.Connection) -> None:
+    """The claim in flight may not see a job committed meanwhile; its NOTIFY must still lead to
+    another claim (no poll fallback here)."""
+    with connect(broker_url) as conn:
+        publish(conn, "before", "race")
+    with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+        consumer = LoopConsumer(conn, "race", prefetch=10)
+        lock_jobs(locker)
+        consumer.run_until(lambda: conn.transport.in_flight is not None)
+        locker.rollback()
+        publish(producer, "during", "race")
+        consumer.run_until(lambda: len(consumer.received) == 2, timeout=15)
+        assert sorted(m.payload for m in consumer.received) == ["before", "during"]
+        consumer.hub.close()
+
+
+def test_closing_with_a_claim_in_flight_gives_its_rows_back(broker_url: str,
+                                                            pg: psycopg.Connection,
+                                                            locker: psycopg.Connection) -> None:
+    with connect(broker_url) as conn:
+        for n in range(3):
+            publish(conn, n, "closing")
+    conn = connect(broker_url, **NO_POLL)
+    consumer = LoopConsumer(conn, "closing", prefetch=10)
+    lock_jobs(locker)
+    consumer.run_until(lambda: conn.transport.in_flight is not None)
+    threading.Timer(0.3, locker.rollback).start()  # the claim finishes while close waits on it
+    conn.close()
+    assert consumer.received == []
+    assert {(r["state"], r["attempts"]) for r in jobs(pg)} == {("pending", 1)}
+    consumer.hub.close()
+
+    with connect(broker_url, **NO_POLL) as again:
+        second = LoopConsumer(again, "closing", prefetch=10)
+        second.run_until(lambda: len(second.received) == 3)
+        assert {m.delivery_info["redelivered"] for m in second.received} == {True}
+        second.hub.close()
+
+
+def test_a_statement_that_fails_in_flight_raises_in_the_loop(broker_url: str,
+                                                             pg: psycopg.Connection) -> None:
+    """An error of the claim in flight surfaces from the loop (Celery then reconnects); the
+    messages stay claimable."""
+    with connect(broker_url) as conn:
+        publish(conn, "x", "failing")
+    with connect(broker_url, **NO_POLL) as conn:
+        consumer = LoopConsumer(conn, "failing", prefetch=1)
+        conn.transport._listen().execute("SET statement_timeout = 50")
+        pg.execute("BEGIN")
+        pg.execute("LOCK TABLE pgbroker.jobs IN EXCLUSIVE MODE")
+        try:
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                consumer.run_until(lambda: False, timeout=10)
+        finally:
+            pg.execute("ROLLBACK")
+        consumer.hub.close()
+    assert {(r["state"], r["attempts"]) for r in jobs(pg)} == {("pending", 0)}
