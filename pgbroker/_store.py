@@ -7,6 +7,7 @@ psycopg serialises calls from several threads (an ack from a thread pool, a hear
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -94,6 +95,28 @@ class NewJob:
             "expires_at": self.expires_at, "idempotency_key": self.idempotency_key,
         }
 
+    def text_params(self) -> dict[str, bytes | None]:
+        """:meth:`params` as text-format parameters (the body stays bytes: binary format)."""
+        return {
+            "id": str(self.id).encode(), "queue": self.queue.encode(), "task": _text(self.task),
+            "task_id": _text(self.task_id), "retries": b"%d" % self.retries,
+            "exchange": self.exchange.encode(), "routing_key": self.routing_key.encode(),
+            "body": self.body, "content_type": _text(self.content_type),
+            "content_encoding": _text(self.content_encoding),
+            "headers": json.dumps(self.headers).encode(),
+            "properties": json.dumps(self.properties).encode(), "priority": b"%d" % self.priority,
+            "max_attempts": b"%d" % self.max_attempts, "run_at": _text(self.run_at),
+            "expires_at": _text(self.expires_at), "idempotency_key": _text(self.idempotency_key),
+        }
+
+
+def _text(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.isoformat().encode()
+    return str(value).encode()
+
 
 def insert_many_params(jobs: Sequence[NewJob], channel: str) -> dict[str, Any]:
     """Column arrays for ``job_insert_many``."""
@@ -134,6 +157,7 @@ class Store:
         self._lock = threading.Lock()
         self._exec_lock = threading.RLock()
         self._sync: bool | None = None  # the connection's synchronous_commit, as last set
+        self._prepared: dict[str, list[str]] = {}  # statements prepared on it: parameter names
         self._pid = os.getpid()
 
     # -- connection ------------------------------------------------------------------------------
@@ -160,6 +184,7 @@ class Store:
                 conn.execute("SET plan_cache_mode = force_generic_plan")
             self._conn = conn
             self._sync = None
+            self._prepared = {}
             return conn
 
     @property
@@ -194,15 +219,38 @@ class Store:
         self._check_fork()
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
-            if self._sync is not sync:
-                conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
-                self._sync = sync
+            self._set_sync(conn, sync)
             return conn.cursor(binary=binary, row_factory=tuple_row).execute(self.q[name], params)
+
+    def _set_sync(self, conn: psycopg.Connection[Any], sync: bool) -> None:
+        if self._sync is not sync:
+            conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
+            self._sync = sync
 
     # -- publish ---------------------------------------------------------------------------------
 
     def insert(self, job: NewJob) -> None:
-        self._execute("job_insert", {**job.params(), "channel": self.settings.channel})
+        """One message: a statement prepared once per connection, with its parameters encoded
+        here rather than by psycopg's adaptation (half the client CPU of a publish)."""
+        params = job.text_params()
+        params["channel"] = self.settings.channel.encode()
+        sync = self.settings.durable_publish
+        self._check_fork()
+        with self._exec_lock, _db.translate_errors("pgbroker job_insert"):
+            conn = self.conn
+            self._set_sync(conn, sync)
+            pgconn = conn.pgconn
+            names = self._prepared.get("job_insert")
+            if names is None:
+                text, names = _numbered(self.q["job_insert"])
+                _check(pgconn.prepare(b"pgbroker_insert", text))
+                self._prepared["job_insert"] = names
+            _send(pgconn, b"pgbroker_insert", [params[n] for n in names],
+                  [1 if n == "body" else 0 for n in names])
+            results: list[Any] = []
+            _collect(pgconn, results, wait=True)
+            for result in results:
+                _check(result)
 
     def insert_many(self, jobs: Sequence[NewJob]) -> None:
         if jobs:
@@ -415,11 +463,11 @@ class LoopStatements:
         ids, attempts = _text_arrays(acks)
         self._send(b"pgbroker_ack", {"ids": ids, "attempts": attempts})
 
-    def _send(self, name: bytes, params: dict[str, bytes]) -> None:
+    def _send(self, name: bytes, params: dict[str, bytes] | list[bytes]) -> None:
         assert self._sent is None, "a statement is in flight already"
-        values = [params[n] for n in self._order[name]]
+        values = params if isinstance(params, list) else [params[n] for n in self._order[name]]
         with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
-            self._pgconn.send_query_prepared(name, values, result_format=psycopg.pq.Format.BINARY)
+            _send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values)
 
     def result(self, wait: bool = False) -> list[JobRow] | None:
@@ -429,18 +477,8 @@ class LoopStatements:
         while self._sent is not None:
             name, values = self._sent
             with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
-                while True:
-                    if pg.is_busy():
-                        if not wait:
-                            return None
-                        # wait in Python: libpq's own wait would hold the GIL meanwhile
-                        select.select([pg.socket], [], [])
-                        pg.consume_input()
-                        continue
-                    res = pg.get_result()
-                    if res is None:
-                        break
-                    self._results.append(res)
+                if not _collect(pg, self._results, wait):
+                    return None
             self._sent = None
             (res,), self._results = self._results, []
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
@@ -448,10 +486,7 @@ class LoopStatements:
                 if isinstance(error, psycopg.errors.DeadlockDetected) and self._retries < 2:
                     # rolled back, acks included (see Store.claim): send it again
                     self._retries += 1
-                    with _db.translate_errors("pgbroker claim"):
-                        pg.send_query_prepared(name, values,
-                                               result_format=psycopg.pq.Format.BINARY)
-                    self._sent = (name, values)
+                    self._send(name, values)
                     continue
                 self._retries = 0
                 raise error
@@ -463,6 +498,32 @@ class LoopStatements:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
             return rows
         return None
+
+
+def _send(pgconn: psycopg.pq.abc.PGconn, name: bytes, values: Sequence[bytes | None],
+          formats: Sequence[int] | None = None, result_format: int = 0) -> None:
+    """Send a prepared statement on a non-blocking connection, all of it."""
+    pgconn.send_query_prepared(name, values, formats, result_format)
+    while pgconn.flush():  # the rest did not fit in the socket buffer yet
+        readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
+        if readable:
+            pgconn.consume_input()
+
+
+def _collect(pgconn: psycopg.pq.abc.PGconn, results: list[Any], wait: bool) -> bool:
+    """Append the results of the statement sent to ``results``; True once it has finished.
+    ``wait``: block until then (in Python: libpq's own wait would hold the GIL meanwhile)."""
+    while True:
+        if pgconn.is_busy():
+            if not wait:
+                return False
+            select.select([pgconn.socket], [], [])
+            pgconn.consume_input()
+            continue
+        res = pgconn.get_result()
+        if res is None:
+            return True
+        results.append(res)
 
 
 def _numbered(query: str) -> tuple[bytes, list[str]]:

@@ -151,6 +151,18 @@ def test_message_over_max_message_size_is_refused(broker_url: str, pg: psycopg.C
     assert bytes(row["body"]) == b"x" * 1024
 
 
+def test_a_message_larger_than_the_socket_buffers_goes_through_intact(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    """Statements are sent on a non-blocking connection: what does not fit in the socket's
+    buffers at once must still be sent (and not hang waiting for a reply)."""
+    body = bytes(range(256)) * (12 * 1024 * 1024 // 256)  # 12 MB, every byte value
+    with connect(broker_url) as conn:
+        publish(conn, body, "huge", content_type="application/data", content_encoding="binary")
+        [(received, message)] = Collector(conn, ["huge"], ack=True).take(1)
+    assert received == body and message.body == body
+    assert [r["state"] for r in jobs(pg)] == ["completed"]
+
+
 @pytest.mark.parametrize(("headers", "match"), [
     ({"max_attempts": 0}, "max_attempts header must be a positive integer"),
     ({"max_attempts": "3"}, "max_attempts header must be a positive integer"),
