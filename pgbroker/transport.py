@@ -425,15 +425,7 @@ class Channel(virtual.Channel):
             acks, self.pending_acks = self.pending_acks, []
             rows = self.store.claim(queue, want, consumer, acks)
             full = full or len(rows) >= want
-            handed = []
-            for row in rows:
-                payload = self._payload(row)
-                if payload is not None:
-                    self.transport.hand_over(self, payload, row.queue)
-                    handed.append(payload["properties"]["delivery_tag"])
-                    delivered += 1
-            if handed and queue in self._no_ack:
-                self._ack_at_claim(handed)
+            delivered += self._hand_over(queue, rows)
             if delivered >= limit:
                 break
         # A full batch means more may be waiting; otherwise wait for a NOTIFY, a due timer or
@@ -461,6 +453,13 @@ class Channel(virtual.Channel):
 
     def claimed(self, queue: str, want: int, rows: list[JobRow]) -> None:
         """Hand over the rows of a claim sent by :meth:`send_claim`."""
+        self._hand_over(queue, rows)
+        if len(rows) >= want:  # a full batch: more may be waiting, in a new round
+            self._more = True
+            self._round = []
+
+    def _hand_over(self, queue: str, rows: list[JobRow]) -> int:
+        """Hand claimed rows to the consumer of ``queue``; returns how many were handed over."""
         handed = []
         for row in rows:
             payload = self._payload(row)
@@ -469,9 +468,7 @@ class Channel(virtual.Channel):
                 handed.append(payload["properties"]["delivery_tag"])
         if handed and queue in self._no_ack:
             self._ack_at_claim(handed)
-        if len(rows) >= want:  # a full batch: more may be waiting, in a new round
-            self._more = True
-            self._round = []
+        return len(handed)
 
     def _payload(self, row: JobRow) -> dict[str, Any] | None:
         """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""

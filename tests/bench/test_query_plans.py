@@ -10,14 +10,13 @@ gets once it prepares the statement (its 5th execution on a connection).
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from pgbroker._store import queries
+from pgbroker._store import _numbered, queries
 from tests.bench.harness import fill
 
 COMPLETED = 1_000_000
@@ -44,14 +43,8 @@ def _custom_plan(pg: psycopg.Connection, query: str) -> dict[str, Any]:
 
 def _generic_plan(pg: psycopg.Connection, query: str) -> dict[str, Any]:
     """The plan of the statement prepared with $n parameters, as the generic plan."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    prepared = re.sub(r"%\((\w+)\)s", number, query).replace("%%", "%")
+    text, names = _numbered(query)
+    prepared = text.decode()
     types = ", ".join(PARAM_TYPES[name] for name in names)
     pg.execute(f"PREPARE claim_plan ({types}) AS {prepared}")
     try:
