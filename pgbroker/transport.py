@@ -37,6 +37,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import uuid
 from time import monotonic
 from typing import Any
@@ -544,6 +545,8 @@ class Transport(virtual.Transport):
         self._wake: tuple[int, int] | None = None  # self-pipe waking the event loop for a turn
         self._turn_requested = False
         self._last_poll = monotonic()
+        #: the thread handing over a message in drain_events (its acks are deferred)
+        self._draining: int | None = None
         #: claimed or broadcast messages waiting for drain_events (synchronous path only)
         self._ready: collections.deque[tuple[Channel, dict[str, Any], str]] = collections.deque()
 
@@ -765,8 +768,10 @@ class Transport(virtual.Transport):
 
     @property
     def defer_acks(self) -> bool:
-        """Acks wait for the end of the event-loop turn (only inside a worker's event loop)."""
-        return self._loop is not None
+        """Acks wait: for the end of the event-loop turn inside a worker's event loop; on the
+        synchronous path, for the last message of the claimed batch to be handed over (acks
+        made from the callbacks of ``drain_events`` in its own thread only)."""
+        return self._loop is not None or self._draining == threading.get_ident()
 
     def request_turn(self) -> None:
         """Ask the event loop for a claim turn (after an ack, a QoS change, a timer).
@@ -871,7 +876,14 @@ class Transport(virtual.Transport):
                         channel.claim_and_deliver()
             if self._ready:
                 _, payload, queue = self._ready.popleft()
-                self._deliver(payload, queue)
+                self._draining = threading.get_ident()
+                try:
+                    self._deliver(payload, queue)
+                finally:
+                    self._draining = None
+                    if not self._ready:  # the batch is done: its acks in one statement
+                        for channel in self.channels:
+                            channel.flush_acks()
                 return
             self._refresh_due()
             now = monotonic()

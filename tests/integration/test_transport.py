@@ -396,6 +396,27 @@ def test_a_notification_wakes_a_consumer_without_polling(broker_url: str, pg: ps
         collector.take(1, timeout=15)
 
 
+def test_drain_events_writes_the_acks_of_a_claimed_batch_together(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    """Outside an event loop, acks made in ``drain_events`` callbacks wait for the last message
+    of the claimed batch to be handed over, then go out in one statement; an ack made outside
+    ``drain_events`` is written at once."""
+    with connect(broker_url) as conn:
+        for n in range(5):
+            publish(conn, n, "batch")
+        collector = Collector(conn, ["batch"], ack=True, prefetch_count=5)
+        collector.take(2)
+        assert counts(pg) == {"running": 5}  # claimed together; two acks waiting
+        collector.take(3)
+        assert counts(pg) == {"completed": 5}
+
+        publish(conn, "late", "batch")
+        collector.ack = False
+        [(_, message)] = collector.take(1)
+        message.ack()
+        assert counts(pg) == {"completed": 6}
+
+
 # -- delivery identity and the sweeper ------------------------------------------------------------
 
 def test_late_ack_of_an_old_delivery_changes_nothing(store: Store, pg: psycopg.Connection) -> None:
