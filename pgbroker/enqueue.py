@@ -32,18 +32,27 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
+import os
+import struct
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
+from json.encoder import encode_basestring_ascii as _json_string  # json.dumps of a str
 from typing import Any
 
 import psycopg
+import uuid6
+from celery.utils.saferepr import saferepr
 from kombu.compression import compress
 from kombu.serialization import dumps
 from kombu.utils.uuid import uuid as task_uuid
-from psycopg.pq import TransactionStatus
+from psycopg.adapt import Dumper
+from psycopg.client_cursor import ClientCursorMixin
+from psycopg.pq import Format, TransactionStatus
 from psycopg.rows import tuple_row
+from psycopg.types.json import Jsonb
 
 from . import _db
 from ._messages import message_to_job
@@ -121,23 +130,27 @@ def enqueue_many(db: Db, jobs: Iterable[Sequence[Any]], *, app: Any = None,
     takes :func:`enqueue`'s keywords. Every message is built and validated before anything is
     written, so a bad item raises with nothing written. Returns the job ids in input order (for a
     duplicate idempotency key, the existing job's id). A batch whose jobs carry idempotency keys
-    adds a look-up statement, pipelined with the insert: still one round trip.
+    adds a look-up statement, pipelined with the insert: still one round trip. Inside a
+    transaction the batches are pipelined too: the database inserts one while the next is sent.
+
+    The messages are those :func:`enqueue` writes, but for the ids made for each; most of a
+    batch's are made from the first of their kind (see ``_Templates``), which is much faster.
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
     settings_of: dict[int, Settings] = {}
-    built: list[tuple[Settings, NewJob]] = []
+    built: list[tuple[Settings, NewJob | _Planned]] = []
+    templates = _Templates()
     for index, item in enumerate(jobs):
         task, args, kwargs, options = _unpack(index, item)
         item_app = _app(app, task)
         settings = settings_of.get(id(item_app))
         if settings is None:
             settings = settings_of[id(item_app)] = _settings(item_app)
-        built.append((settings, _build(item_app, settings, task, args, kwargs, options)))
+        built.append((settings, templates.build(item_app, settings, task, args, kwargs, options)))
     if not built:
         return []
-    duplicates = _write(_driver_connection(db), built, batch_size)
-    return [duplicates.get(job.id, job.id) for _, job in built]
+    return _write(_driver_connection(db), built, batch_size, templates.json_of)
 
 
 @contextlib.contextmanager
@@ -312,12 +325,15 @@ def _task_of(app: Any, task: Any) -> tuple[str, Any]:
 
 
 def _build(app: Any, settings: Settings, task: Any, args: Any, kwargs: Any,
-           options: dict[str, Any]) -> NewJob:
+           options: dict[str, Any], recipe: dict[str, Any] | None = None) -> NewJob:
     """A Celery protocol-2 message for ``task``, as the row the transport would write for it.
 
     Mirrors ``Task.apply_async`` / ``Celery.send_task``: the task's execution options, the
     router, parent and root ids, ``as_task_v2`` for headers and body, the task's serializer and
     compression. Only ``expires`` is carried by its header alone (no AMQP ``expiration``).
+
+    ``recipe``, if given, receives what :class:`_Template` needs to make more messages like this
+    one: the serializer, the compression, the body's embed part, the argument check.
     """
     unknown = set(options) - OPTIONS
     if unknown:
@@ -369,11 +385,16 @@ def _build(app: Any, settings: Settings, task: Any, args: Any, kwargs: Any,
     except ValueError as exc:  # Celery's own check of countdown / expires
         raise MessageError(str(exc)) from exc
     message.headers.update(headers)
-    content_type, content_encoding, body = dumps(
-        message.body, serializer=route.get("serializer") or app.conf.task_serializer)
+    serializer = route.get("serializer") or app.conf.task_serializer
+    content_type, content_encoding, body = dumps(message.body, serializer=serializer)
     compression = route.get("compression") or app.conf.task_compression
     if compression:
         body, message.headers["compression"] = compress(body, compression)
+    if recipe is not None:
+        recipe.update(serializer=serializer, compression=compression, embed=message.body[2],
+                      check_arguments=check_arguments
+                      if check_arguments is not None and getattr(task_type, "typing", False)
+                      else None)
     properties = {
         **message.properties,
         "delivery_mode": 2,  # persistent: every pgbroker message is a durable row anyway
@@ -384,6 +405,336 @@ def _build(app: Any, settings: Settings, task: Any, args: Any, kwargs: Any,
     return _message_to_job(settings, queue_name, {
         "body": body, "content-type": content_type, "content-encoding": content_encoding,
         "headers": message.headers, "properties": properties})
+
+
+# -- enqueue_many: a batch's messages made from one real message per kind of job ----------------
+#
+# _build costs tens of microseconds a message, most of it spent on what is the same for every
+# job of a task: the router, the app's configuration, the task's execution options. For a batch,
+# the first job of each kind (same app, task, queue, priority, max_attempts, with or without an
+# idempotency key) is made by _build, and becomes the template of the others: only what
+# ``as_task_v2`` makes per job (task id, root id, argsrepr, kwargsrepr, the body) and the key are
+# made again, exactly as _build makes them. Whatever could make two jobs of a kind differ in more
+# than that (a time, custom headers, a router that reads the arguments, another as_task_v2)
+# sends the job to _build.
+
+#: Options a job may carry and still be made from its kind's template: part of the kind
+#: (queue, priority, max_attempts), or one header value (idempotency_key).
+_TEMPLATE_OPTIONS = frozenset({"queue", "priority", "max_attempts", "idempotency_key"})
+
+#: Deepest nesting _plain_repr renders when ``task_repr_maxlevels`` sets no limit.
+_PLAIN_REPR_LEVELS = 8
+
+#: A message planned by _Template.plan: (template, body, content type, content encoding,
+#: argsrepr, kwargsrepr, idempotency key).
+_Planned = tuple
+
+
+class _Templates:
+    """The templates of one :func:`enqueue_many` call, by kind of job."""
+
+    def __init__(self) -> None:
+        self._of: dict[tuple[Any, ...], _Template | None] = {}
+        self._keep: list[Any] = []  # apps and tasks keyed by id(): alive as long as their key
+        #: {job id: its headers and properties as jsonb binary values} for the jobs made from a
+        #: template (_insert_many sends them as they are, rather than json.dumps-ing each dict)
+        self.json_of: dict[uuid.UUID, tuple[bytes, bytes]] = {}
+
+    def build(self, app: Any, settings: Settings, task: Any, args: Any, kwargs: Any,
+              options: dict[str, Any]) -> NewJob | _Planned:
+        """What ``_build(app, settings, task, args, kwargs, options)`` returns, or the same
+        message planned: checked, its body and reprs made, to be finished by
+        :meth:`_Template.finish` (which cannot fail) when its batch is written."""
+        kind = _kind(app, task, options)
+        if kind is None:
+            return _build(app, settings, task, args, kwargs, options)
+        try:
+            template = self._of[kind]
+        except KeyError:
+            recipe: dict[str, Any] = {}
+            job = _build(app, settings, task, args, kwargs, options, recipe)
+            self._keep.append((app, task))
+            template = self._of[kind] = _Template.make(app, settings, job, recipe)
+            if template is not None:
+                template.add_json(job, self.json_of)
+            return job
+        planned = None if template is None else template.plan(
+            args, kwargs, options.get("idempotency_key"))
+        return planned if planned is not None else _build(
+            app, settings, task, args, kwargs, options)
+
+
+def _kind(app: Any, task: Any, options: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The key of the jobs that share a template with this one; None: _build only."""
+    for name, value in options.items():
+        if name not in _TEMPLATE_OPTIONS and (value is not None or name not in OPTIONS):
+            return None  # a per-job option (or an unknown one, which _build refuses)
+    queue = options.get("queue")
+    priority = options.get("priority")
+    max_attempts = options.get("max_attempts")
+    key = options.get("idempotency_key")
+    # exact types: True == 1 as a dict key, but is refused as a priority or max_attempts
+    if not ((queue is None or type(queue) is str) and (priority is None or type(priority) is int)
+            and (max_attempts is None or type(max_attempts) is int)
+            and (key is None or type(key) is str)):
+        return None
+    return (id(app), task if isinstance(task, str) else id(task), queue, priority, max_attempts,
+            key is not None)
+
+
+class _Template:
+    """One message made by _build, and how to make its kind's other messages from it."""
+
+    __slots__ = ("headers", "properties", "root_is_id", "serializer", "compression", "embed",
+                 "check_arguments", "args_maxsize", "kwargs_maxsize", "maxlevels",
+                 "max_message_size", "job", "headers_json", "properties_json", "encode_json")
+
+    @classmethod
+    def make(cls, app: Any, settings: Settings, job: NewJob,
+             recipe: dict[str, Any]) -> _Template | None:
+        """The template of ``job``'s kind, or None if its jobs may differ in more than the
+        per-job fields (then _build makes every one of them)."""
+        from celery.app.amqp import AMQP
+        from celery.app.routes import MapRoute, Router
+
+        amqp = app.amqp
+        router = amqp.router
+        headers = job.headers
+        if not (type(amqp).as_task_v2 is AMQP.as_task_v2 and "as_task_v2" not in vars(amqp)
+                and type(router) is Router
+                and all(type(route) is MapRoute for route in router.routes)  # name only
+                and headers.get("eta") is None and headers.get("expires") is None
+                and job.run_at is None and job.expires_at is None and not job.retries
+                and "expiration" not in job.properties
+                and job.task_id == headers.get("id") == job.properties.get("correlation_id")):
+            return None
+        self = cls()
+        self.job = job
+        self.headers = dict(headers)
+        self.root_is_id = headers.get("root_id") == job.task_id
+        self.properties = dict(job.properties)
+        self.serializer = recipe["serializer"]
+        self.compression = recipe["compression"]
+        self.embed = recipe["embed"]
+        self.encode_json = _json_encoder(self.serializer)
+        self.check_arguments = recipe["check_arguments"]
+        self.args_maxsize = amqp.argsrepr_maxsize
+        self.kwargs_maxsize = amqp.kwargsrepr_maxsize
+        self.maxlevels = app.conf.task_repr_maxlevels
+        self.max_message_size = settings.max_message_size
+        per_job = ["id", "argsrepr", "kwargsrepr"]
+        if self.root_is_id:
+            per_job.append("root_id")
+        if job.idempotency_key is not None:
+            per_job.append("idempotency_key")
+        self.headers_json = _JsonPieces.make(self.headers, per_job)
+        self.properties_json = _JsonPieces.make(self.properties, ["correlation_id"])
+        return self
+
+    def plan(self, args: Any, kwargs: Any, key: str | None) -> _Planned | None:
+        """This kind's message for these arguments, all but what :meth:`finish` adds; None
+        where only _build can tell (an error, an unusual argument).
+
+        Everything read from the arguments is read here, when the caller hands them over."""
+        if args is None:
+            args = ()
+        elif type(args) is not tuple and type(args) is not list:
+            return None
+        if kwargs is None:
+            kwargs = {}
+        elif type(kwargs) is not dict:
+            return None
+        if self.check_arguments is not None:
+            self.check_arguments(*args, **kwargs)  # TypeError for arguments the task cannot take
+        # as in as_task_v2
+        args = args or ()
+        kwargs = kwargs or {}
+        argsrepr = _plain_repr(args, self.args_maxsize, self.maxlevels)
+        kwargsrepr = _plain_repr(kwargs, self.kwargs_maxsize, self.maxlevels)
+        try:
+            if argsrepr is None:
+                argsrepr = saferepr(args, self.args_maxsize, maxlevels=self.maxlevels)
+            if kwargsrepr is None:
+                kwargsrepr = saferepr(kwargs, self.kwargs_maxsize, maxlevels=self.maxlevels)
+        except Exception:  # noqa: BLE001 - e.g. an int too long for str(): _build's MessageError
+            return None
+        if self.encode_json is not None:
+            try:
+                body = self.encode_json((args, kwargs, self.embed))
+            except Exception:  # noqa: BLE001 - _build raises kombu's EncodeError for it
+                return None
+            content_type, content_encoding = "application/json", "utf-8"
+        else:
+            content_type, content_encoding, body = dumps((args, kwargs, self.embed),
+                                                         serializer=self.serializer)
+        if self.compression:
+            body = compress(body, self.compression)[0]
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        elif type(body) is not bytes:
+            return None
+        if len(body) > self.max_message_size:
+            return None  # _build raises message_to_job's error for it
+        return (self, body, content_type, content_encoding, argsrepr, kwargsrepr, key)
+
+    def finish(self, planned: _Planned, json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> NewJob:
+        """The message :meth:`plan` planned (what _build would return, but for the random
+        ids); its jsonb values go to ``json_of``."""
+        _, body, content_type, content_encoding, argsrepr, kwargsrepr, key = planned
+        task_id = _task_id()
+        headers = self.headers.copy()
+        headers["id"] = task_id
+        if self.root_is_id:
+            headers["root_id"] = task_id
+        headers["argsrepr"] = argsrepr
+        headers["kwargsrepr"] = kwargsrepr
+        if key is not None:
+            headers["idempotency_key"] = key
+        properties = self.properties.copy()
+        properties["correlation_id"] = task_id
+        job = self.job
+        made = NewJob(
+            id=uuid6.uuid7(), queue=job.queue, body=body, content_type=content_type,
+            content_encoding=content_encoding, headers=headers, properties=properties,
+            exchange=job.exchange, routing_key=job.routing_key, task=job.task, task_id=task_id,
+            retries=0, priority=job.priority, max_attempts=job.max_attempts, run_at=None,
+            expires_at=None, idempotency_key=key)
+        self.add_json(made, json_of)
+        return made
+
+    def add_json(self, job: NewJob, json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> None:
+        """Put ``job``'s (one of this kind's) headers and properties as jsonb in ``json_of``."""
+        if self.headers_json is not None and self.properties_json is not None:
+            json_of[job.id] = (self.headers_json.fill(job.headers),
+                               self.properties_json.fill(job.properties))
+
+
+class _JsonPieces:
+    """A dict's JSON text cut around the values of some of its keys, all strings: the JSON of
+    a copy that differs only in those values is the pieces joined with their JSON strings.
+
+    jsonb keeps no text: what PostgreSQL stores is the same as for ``json.dumps`` of the copy.
+    """
+
+    __slots__ = ("format", "keys")
+
+    _MARK = "\x00pgbroker:{}\x00"
+
+    @classmethod
+    def make(cls, value: dict[str, Any], keys: list[str]) -> _JsonPieces | None:
+        """None if ``value`` has no JSON text of its own (psycopg's dumper then decides)."""
+        probe = dict(value)
+        for index, key in enumerate(keys):
+            probe[key] = cls._MARK.format(index)
+        try:
+            text = json.dumps(probe)
+        except (TypeError, ValueError):
+            return None
+        found = []
+        for index, key in enumerate(keys):
+            mark = json.dumps(cls._MARK.format(index))
+            at = text.find(mark)
+            if at < 0 or text.find(mark, at + 1) >= 0:
+                return None
+            found.append((at, len(mark), key))
+        self = cls()
+        pieces, self.keys, start = [], [], 0
+        for at, length, key in sorted(found):
+            pieces.append(text[start:at].replace("%", "%%"))
+            self.keys.append(key)
+            start = at + length
+        pieces.append(text[start:].replace("%", "%%"))
+        self.format = "\x01" + "%s".join(pieces)
+        return self
+
+    def fill(self, value: dict[str, Any]) -> bytes:
+        """The jsonb binary value (version byte 1, then the text) of ``value``."""
+        return (self.format % tuple([_json_string(value[key]) for key in self.keys])).encode()
+
+
+def _json_encoder(serializer: Any) -> Any:
+    """For kombu's own json serializer, the ``encode`` of a ``JSONEncoder`` kept for the batch:
+    what ``dumps(data, serializer="json")`` returns as the body, without making an encoder and
+    its arguments per call (``json.dumps(data, cls=JSONEncoder)`` makes one with the same
+    defaults). None for any other serializer: kombu's ``dumps`` then."""
+    from kombu.serialization import registry
+    from kombu.utils import json as kombu_json
+
+    codec = registry._encoders.get(serializer) if serializer == "json" else None
+    if (codec is None or codec.encoder is not kombu_json.dumps
+            or (codec.content_type, codec.content_encoding) != ("application/json", "utf-8")
+            or kombu_json.dumps.__defaults__ != (json.dumps, kombu_json.JSONEncoder, None)):
+        return None
+    return kombu_json.JSONEncoder().encode
+
+
+def _task_id() -> str:
+    """What kombu's ``uuid()`` makes, ``str(uuid.uuid4())``, without the UUID object."""
+    data = bytearray(os.urandom(16))
+    data[6] = data[6] & 0x0F | 0x40  # version 4
+    data[8] = data[8] & 0x3F | 0x80  # variant RFC 4122
+    hex_ = data.hex()
+    return f"{hex_[:8]}-{hex_[8:12]}-{hex_[12:16]}-{hex_[16:20]}-{hex_[20:]}"
+
+
+def _plain_repr(value: Any, maxsize: Any, maxlevels: Any) -> str | None:
+    """``saferepr(value, maxsize, maxlevels=maxlevels)`` where it is provably the same string,
+    else None (then call saferepr).
+
+    Only None, bool, int, float, str and tuples, lists and dicts (with str keys) of them, of the
+    exact types, nested less deep than ``maxlevels``: saferepr writes those as ``str()`` of a
+    number, a string in single quotes with only ``'`` escaped, the containers as ``repr`` does;
+    and it cuts nothing from a result shorter than ``maxsize``.
+    """
+    if type(maxlevels) is not int or not (maxsize is None or type(maxsize) is int):
+        return None
+    parts: list[str] = []
+    try:
+        if not _plain_repr_parts(value, parts, 0, maxlevels or _PLAIN_REPR_LEVELS):
+            return None
+    except ValueError:  # an int too long for str(): saferepr's own error, or not
+        return None
+    text = "".join(parts)
+    if maxsize is not None and len(text) >= maxsize:
+        return None
+    return text
+
+
+def _plain_repr_parts(value: Any, out: list[str], level: int, maxlevels: int) -> bool:
+    kind = type(value)
+    if kind is str:
+        out.append("'" + value.replace("'", "\\'") + "'")
+    elif kind is int or kind is float or kind is bool:
+        out.append(str(value))
+    elif value is None:
+        out.append("None")
+    elif kind is tuple or kind is list or kind is dict:
+        if level >= maxlevels:  # saferepr writes "[...]"
+            return False
+        if kind is dict:
+            out.append("{")
+            first = True
+            for key, item in value.items():
+                if type(key) is not str:
+                    return False
+                if not first:
+                    out.append(", ")
+                first = False
+                out.append("'" + key.replace("'", "\\'") + "': ")
+                if not _plain_repr_parts(item, out, level + 1, maxlevels):
+                    return False
+            out.append("}")
+            return True
+        out.append("(" if kind is tuple else "[")
+        for index, item in enumerate(value):
+            if index:
+                out.append(", ")
+            if not _plain_repr_parts(item, out, level + 1, maxlevels):
+                return False
+        out.append((",)" if len(value) == 1 else ")") if kind is tuple else "]")
+    else:
+        return False
+    return True
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -414,7 +765,9 @@ def _message_to_job(settings: Settings, queue: str, message: dict[str, Any]) -> 
 
 
 def _unpack(index: int, item: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
-    if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or not 1 <= len(item) <= 4:
+    if not (type(item) is tuple or type(item) is list) and (  # (the ABC check is slow)
+            isinstance(item, (str, bytes)) or not isinstance(item, Sequence)) or not (
+            1 <= len(item) <= 4):
         raise TypeError(f"enqueue_many item {index} must be (task, args, kwargs, options) with "
                         f"the trailing parts optional, not {item!r}")
     # the parts left out take their defaults: args (), kwargs None, options None
@@ -456,42 +809,199 @@ def _driver_connection(db: Db) -> psycopg.Connection[Any]:
                     f"a psycopg 3 Connection (synchronous), not {type(db).__module__}.{type(db).__name__}")
 
 
-def _write(conn: psycopg.Connection[Any], jobs: Sequence[tuple[Settings, NewJob]],
-           batch_size: int) -> dict[uuid.UUID, uuid.UUID]:
+def _write(conn: psycopg.Connection[Any], jobs: Sequence[tuple[Settings, NewJob | _Planned]],
+           batch_size: int, json_of: dict[uuid.UUID, tuple[bytes, bytes]] | None = None,
+           ) -> list[uuid.UUID]:
     """Insert ``jobs`` in batches, one statement per batch and destination schema (normally
-    one). Returns {id made for a job that was a duplicate: the existing job's id}."""
+    one); a planned message is finished when its batch is made. ``json_of``: headers and
+    properties already made into jsonb values, by job id.
+
+    Inside a transaction, the batches of one schema are pipelined: the server inserts a batch
+    while the next one is made and sent (a failed insert raises when the last batch is sent).
+    In autocommit mode each statement stays a transaction of its own, so they go one by one.
+
+    Returns the id of each job, in order: the one made for it, or for a duplicate (of an
+    idempotency key) the existing job's.
+    """
+    json_of = {} if json_of is None else json_of
+    pipelined = (len(jobs) > batch_size and not conn.autocommit
+                 and len({settings.schema for settings, _ in jobs}) == 1)
+    ids: list[uuid.UUID] = []
     duplicates: dict[uuid.UUID, uuid.UUID] = {}
-    for start in range(0, len(jobs), batch_size):
-        by_schema: dict[str, tuple[Settings, list[NewJob]]] = {}
-        for settings, job in jobs[start:start + batch_size]:
-            by_schema.setdefault(settings.schema, (settings, []))[1].append(job)
-        for settings, batch in by_schema.values():
-            duplicates.update(_insert_many(conn, settings, batch))
-    return duplicates
+    sent: list[tuple[list[NewJob], psycopg.Cursor[Any]]] = []
+    with contextlib.ExitStack() as stack:
+        if pipelined:
+            stack.enter_context(_translate(jobs[0][0]))
+            stack.enter_context(conn.pipeline())
+        for start in range(0, len(jobs), batch_size):
+            by_schema: dict[str, tuple[Settings, list[NewJob]]] = {}
+            for settings, entry in jobs[start:start + batch_size]:
+                job = entry if type(entry) is NewJob else entry[0].finish(entry, json_of)
+                ids.append(job.id)
+                by_schema.setdefault(settings.schema, (settings, []))[1].append(job)
+            for settings, batch in by_schema.values():
+                if pipelined:
+                    lookup = _send_many(conn, settings, batch, json_of)
+                    if lookup is not None:
+                        sent.append(lookup)
+                else:
+                    duplicates.update(_insert_many(conn, settings, batch, json_of))
+    for keyed, cursor in sent:
+        duplicates.update(_duplicates(keyed, cursor))
+    return [duplicates.get(job_id, job_id) for job_id in ids] if duplicates else ids
 
 
-def _insert_many(conn: psycopg.Connection[Any], settings: Settings,
-                 jobs: list[NewJob]) -> dict[uuid.UUID, uuid.UUID]:
+def _insert_many(conn: psycopg.Connection[Any], settings: Settings, jobs: list[NewJob],
+                 json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> dict[uuid.UUID, uuid.UUID]:
     """``job_insert_many`` for ``jobs``; keyed jobs are then looked up in the same round trip.
 
     Returns {id made for a job that was a duplicate: the existing job's id}.
     """
-    q = queries(settings.schema)
-    keyed = [job for job in jobs if job.idempotency_key is not None]
     with _translate(settings):
-        if not keyed:
-            conn.cursor(row_factory=tuple_row).execute(
-                q["job_insert_many"], insert_many_params(jobs, settings.channel))
+        if not any(job.idempotency_key is not None for job in jobs):
+            _send_many(conn, settings, jobs, json_of)
             return {}
         # The look-up is what tells an inserted job from a duplicate: pipelined, so the batch
         # still costs one round trip.
         with conn.pipeline():
-            conn.cursor(row_factory=tuple_row).execute(
-                q["job_insert_many"], insert_many_params(jobs, settings.channel))
-            lookup = conn.cursor(row_factory=tuple_row)
-            lookup.execute(q["job_enqueued_ids"], _lookup_params(keyed))
-        found = [row[0] for row in lookup.fetchall()]
+            sent = _send_many(conn, settings, jobs, json_of)
+        return _duplicates(*sent) if sent is not None else {}
+
+
+def _send_many(conn: psycopg.Connection[Any], settings: Settings, jobs: list[NewJob],
+               json_of: dict[uuid.UUID, tuple[bytes, bytes]],
+               ) -> tuple[list[NewJob], psycopg.Cursor[Any]] | None:
+    """Execute ``job_insert_many`` for ``jobs`` and, if some have idempotency keys (then in a
+    pipeline), ``job_enqueued_ids`` for those: returns them and the look-up's cursor."""
+    q = queries(settings.schema)
+    cur = conn.cursor(row_factory=tuple_row)
+    if isinstance(cur, ClientCursorMixin):
+        # client-side binding (Django's default) writes literals: psycopg's own, from lists
+        cur.execute(q["job_insert_many"], insert_many_params(jobs, settings.channel))
+    else:
+        for kind, dumper in _KINDS.values():
+            cur.adapters.register_dumper(kind, dumper)  # the cursor's adapters only
+        cur.execute(q["job_insert_many"], _columns(conn, jobs, settings.channel, json_of))
+    keyed = [job for job in jobs if job.idempotency_key is not None]
+    if not keyed:
+        return None
+    lookup = conn.cursor(row_factory=tuple_row)
+    lookup.execute(q["job_enqueued_ids"], _lookup_params(keyed))
+    return keyed, lookup
+
+
+def _duplicates(keyed: list[NewJob], lookup: psycopg.Cursor[Any]) -> dict[uuid.UUID, uuid.UUID]:
+    """{id made for a job that was a duplicate: the existing job's id}, from the look-up."""
+    found = [row[0] for row in lookup.fetchall()]
     return {made: job_id for made, job_id in _resolve(keyed, found).items() if made != job_id}
+
+
+# -- job_insert_many's column arrays, in PostgreSQL's binary array format -----------------------
+#
+# psycopg dumps a list element by element in Python, and a Jsonb with json.dumps: for a batch of
+# 1000 jobs that is about as long as the statement itself. Here each column is one binary array
+# made by joining its elements (the same element made once for a value repeated down the column),
+# and a job made from a template brings its headers and properties as jsonb values already. A
+# column this cannot make exactly as psycopg would (a time, an int out of range, a dict without
+# its jsonb value) is left to psycopg, as a list.
+
+_ARRAY_HEADER = struct.Struct(">iiiii")  # dimensions, has nulls, element oid, length, lower bound
+_LENGTH = struct.Struct(">i").pack
+_NULL = _LENGTH(-1)
+_INT2 = struct.Struct(">h").pack
+_INT4 = struct.Struct(">i").pack
+
+
+class _Array(bytes):
+    """A column of values as a PostgreSQL binary array (``_array_kind`` makes its kinds)."""
+
+    __slots__ = ()
+    element_oid = 0
+
+
+def _array_kind(name: str) -> tuple[type[_Array], type[Dumper]]:
+    info = psycopg.postgres.types[name]
+    kind = type(f"_Array_{name}", (_Array,), {"__slots__": (), "element_oid": info.oid})
+    dumper = type(f"_ArrayDumper_{name}", (Dumper,), {
+        "format": Format.BINARY, "oid": info.array_oid, "dump": lambda self, obj: obj})
+    return kind, dumper
+
+
+_KINDS = {name: _array_kind(name)
+          for name in ("uuid", "text", "int2", "int4", "bytea", "jsonb", "timestamptz")}
+_TEXT_COLUMNS = ("queue", "task", "task_id", "exchange", "routing_key", "content_type",
+                 "content_encoding", "idempotency_key")
+
+
+def _array(name: str, elements: list[bytes], has_null: bool = False) -> _Array:
+    """``elements`` (each its length then its bytes, or _NULL) as an array of type ``name``."""
+    kind = _KINDS[name][0]
+    return kind(_ARRAY_HEADER.pack(1, has_null, kind.element_oid, len(elements), 1)
+                + b"".join(elements))
+
+
+def _text_array(values: list[Any]) -> _Array | list[Any]:
+    made: dict[str | None, bytes] = {None: _NULL}
+    elements = []
+    for value in values:
+        if value is not None and type(value) is not str:
+            return values  # psycopg's dumper
+        element = made.get(value)
+        if element is None:
+            data = value.encode()
+            element = made[value] = _LENGTH(len(data)) + data
+        elements.append(element)
+    return _array("text", elements, None in values)
+
+
+def _int_array(name: str, values: list[int]) -> _Array | list[int]:
+    pack, low, high = (_INT2, -2**15, 2**15 - 1) if name == "int2" else (_INT4, -2**31, 2**31 - 1)
+    made: dict[int, bytes] = {}
+    elements = []
+    for value in values:
+        if type(value) is not int:  # a bool (True == 1) or other: as psycopg sends it
+            return values
+        element = made.get(value)
+        if element is None:
+            if not low <= value <= high:
+                return values  # psycopg's dumper, and PostgreSQL's error
+            element = made[value] = _LENGTH(len(pack(value))) + pack(value)
+        elements.append(element)
+    return _array(name, elements)
+
+
+def _columns(conn: psycopg.Connection[Any], jobs: list[NewJob], channel: str,
+             json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> dict[str, Any]:
+    """``job_insert_many``'s parameters for ``jobs``: what ``insert_many_params`` gives, with
+    the columns as binary arrays."""
+    encoding = conn.info.encoding
+    sixteen = _LENGTH(16)
+    params: dict[str, Any] = {
+        "id": _array("uuid", [sixteen + job.id.bytes for job in jobs]),
+        "body": _array("bytea", [_LENGTH(len(job.body)) + job.body for job in jobs]),
+        "retries": _int_array("int4", [job.retries for job in jobs]),
+        "priority": _int_array("int2", [job.priority for job in jobs]),
+        "max_attempts": _int_array("int4", [job.max_attempts for job in jobs]),
+        "channel": channel,
+    }
+    for name in _TEXT_COLUMNS:
+        values = [getattr(job, name) for job in jobs]
+        # psycopg's dumper for another client encoding (and its error for a character that
+        # has no code in it); SQL_ASCII ("ascii") is sent UTF-8, as psycopg does
+        params[name] = _text_array(values) if encoding in ("utf-8", "ascii") else values
+    for name in ("run_at", "expires_at"):
+        values = [getattr(job, name) for job in jobs]
+        # times: psycopg's dumper, unless all are NULL
+        params[name] = values if any(v is not None for v in values) else _array(
+            "timestamptz", [_NULL] * len(values), True)
+    made = [json_of.pop(job.id, None) for job in jobs]  # each job is sent once: let them go
+    if None in made:
+        params["headers"] = [Jsonb(job.headers) for job in jobs]
+        params["properties"] = [Jsonb(job.properties) for job in jobs]
+    else:
+        params["headers"] = _array("jsonb", [_LENGTH(len(h)) + h for h, _ in made])
+        params["properties"] = _array("jsonb", [_LENGTH(len(p)) + p for _, p in made])
+    return params
 
 
 def _resolve(jobs: list[NewJob], found: list[uuid.UUID | None]) -> dict[uuid.UUID, uuid.UUID]:

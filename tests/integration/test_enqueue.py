@@ -10,25 +10,34 @@ Figures (the bulk rate) are printed, not asserted: ``pytest -s tests/integration
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 import time
 import uuid
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 
 import psycopg
 import pytest
 from celery import Celery, chain, group
+from celery._state import _task_stack
+from celery.utils.saferepr import saferepr
+from kombu.exceptions import EncodeError
 from kombu.serialization import loads
 from psycopg.rows import dict_row
 from sqlalchemy import create_engine
 
 import pgbroker
-from pgbroker.enqueue import _current_target  # the module; pgbroker.enqueue is the function
+from pgbroker.enqueue import (  # the module; pgbroker.enqueue is the function
+    _current_target, _plain_repr, _task_id)
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from tests.helpers import wait_for
-from tests.integration.enqueue_support import KINDS, Caller, Recorder, pgbroker_inserts
+from tests.integration.enqueue_support import (
+    KINDS, Caller, Recorder, comparable, pgbroker_inserts, rows_of)
 
 CHANNEL = "pgbroker.jobs"
 
@@ -523,3 +532,339 @@ def test_a_database_without_the_schema_is_a_clear_error(raw: Caller, broker_url:
     app.conf.broker_transport_options = {"schema": "not_migrated"}
     with pytest.raises(SchemaError, match="no pgbroker schema 'not_migrated'"):
         pgbroker.enqueue(raw.db, "t.add", (1, 2), app=app)
+
+
+# -- enqueue_many's templates (issue 9): the same messages, made faster --------------------------
+#
+# enqueue_many makes the first job of each kind (app, task, queue, priority, max_attempts, with or
+# without a key) with _build, as enqueue does, and the others from it. These tests compare what it
+# writes with what enqueue writes and with what Celery's own apply_async writes (through
+# pgbroker.transaction), field by field, for a mix of tasks, arguments and options.
+
+Point = namedtuple("Point", "x y")
+
+#: Arguments saferepr writes in every way it has: plain, quoted, escaped, nested past
+#: task_repr_maxlevels, cut at argsrepr_maxsize (1024), and types it writes in its own way.
+ARGS: list[Any] = [
+    (), [], (1, 2), [3, 4], (None,), ((1,),), (True, False, 0, -5, 2**70, 1.5, -0.0, 1e300),
+    ("it's", 'say "hi"', "back\\slash", "new\nline\ttab", "ünïcødé ☃ \U0001F600", "", "'"),
+    ([1, [2, [3, [4, [5]]]]],), ({"a": {"b": {"c": {"d": 1}}}},), ({"k'ey": ["v", ("w",)]},),
+    ("x" * 2000,), (list(range(500)),), ("word " * 300,), ("y" * 1018,), ("y" * 1019,),
+    ("y" * 1020,), ("y" * 1023,),  # a repr of 1023, 1024, 1025, 1028 characters
+    ("z" * 1030, 1), (b"bytes", b"\xff\xfe"), (Decimal("1.50"),), (Point(1, 2),),
+    (datetime(2024, 5, 1, 12, 30, tzinfo=timezone.utc),), (uuid.UUID(int=7),), ({1: "int key"},),
+    (float("nan"), float("inf")),
+]
+KWARGS: list[Any] = [None, {}, {"k": 1}, {"quote'key": "v'al", "nested": [1, {"x": None}]},
+                     {"long": "w" * 1500}, {"deep": [[[[["bottom"]]]]]}]
+#: Options of each kind enqueue_many makes from a template, then the per-job ones (_build).
+TEMPLATE_OPTIONS: list[dict[str, Any]] = [
+    {}, {"queue": "other"}, {"priority": 3}, {"max_attempts": 2}, {"queue": "q2", "priority": 9},
+    {"priority": None, "countdown": None}]
+PER_JOB_OPTIONS: list[dict[str, Any]] = [
+    {"countdown": 30}, {"eta": datetime(2031, 1, 1, tzinfo=timezone.utc)}, {"expires": 300},
+    {"headers": {"x-custom": "1"}}]
+
+
+def _takes_anything(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@pytest.fixture
+def mixed_app(broker_url: str) -> Iterator[Celery]:
+    """Tasks with each execution option that changes a message, and routes by name."""
+    app = Celery("enqueue_mixed", broker=broker_url, set_as_current=False)
+    app.conf.task_routes = {"t.slow_lane": {"queue": "slow", "priority": 7},
+                            "t.glob.*": {"queue": "globbed"}}
+    for name, options in [("t.echo", {}), ("t.slow_lane", {}), ("t.glob.one", {}),
+                          ("t.pickled", {"serializer": "pickle"}),
+                          ("t.zipped", {"compression": "zlib"}),
+                          ("t.limited", {"time_limit": 30, "soft_time_limit": 20,
+                                         "ignore_result": True}),
+                          ("t.expiring", {"expires": 600})]:
+        app.task(name=name, shared=False, **options)(_takes_anything)
+
+    @app.task(name="t.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def mixed_items(app: Celery) -> list[tuple[Any, ...]]:
+    """(task, args, kwargs, options) of every kind, as objects and as names."""
+    tasks: list[Any] = [app.tasks[name] for name in (
+        "t.echo", "t.slow_lane", "t.glob.one", "t.pickled", "t.zipped", "t.limited",
+        "t.expiring")] + ["t.echo", "remote.not_registered", "remote.100%_sure"]
+    items: list[tuple[Any, ...]] = []
+    for i, args in enumerate(ARGS):
+        for j, task in enumerate(tasks):
+            kwargs = KWARGS[(i + j) % len(KWARGS)]
+            options = TEMPLATE_OPTIONS[(i * 3 + j) % len(TEMPLATE_OPTIONS)]
+            items.append((task, args, kwargs, dict(options)))
+    items += [(app.tasks["t.add"], (i, i)) for i in range(5)] + [("t.add", [1, 2], {})]
+    items += [("t.echo", (i,), None, {"idempotency_key": f"key-{i}", "priority": i % 2})
+              for i in range(6)]
+    items += [("t.echo", (i,), {"n": i}, options) for i, options in enumerate(PER_JOB_OPTIONS)]
+    return items
+
+
+def _count_build(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the messages enqueue_many makes with _build (instrumented: the real one runs)."""
+    module = sys.modules["pgbroker.enqueue"]
+    real, calls = module._build, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_build", counted)
+    return calls
+
+
+def test_enqueue_many_writes_the_rows_enqueue_writes(
+        raw: Caller, mixed_app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    items = mixed_items(mixed_app)
+    built = _count_build(monkeypatch)
+    ids = pgbroker.enqueue_many(raw.db, items, app=mixed_app, batch_size=100)
+    many = rows_of(raw.conn, ids)
+    raw.rollback()
+    # most messages were made from a template: one _build per kind, and per per-job option
+    assert len(items) > 200 and built[0] < 100
+    single = [pgbroker.enqueue(raw.db, item[0], *item[1:3], **item[3] if len(item) > 3 else {},
+                               app=mixed_app) for item in items]
+    rows = rows_of(raw.conn, single)
+    raw.rollback()
+
+    for item, got, expected in zip(items, many, rows, strict=True):
+        assert comparable(got) == comparable(expected), item
+        assert got["headers"]["root_id"] == got["task_id"]
+        assert got["run_at"] >= got["created_at"]
+    assert len({row["task_id"] for row in many}) == len(items)
+    # the arguments saferepr cuts were cut
+    assert {len(r["headers"]["argsrepr"]) for r in many} & set(range(1024, 1100))
+    assert any(r["headers"]["argsrepr"].endswith("...)") for r in many)
+
+
+def test_enqueue_many_writes_what_apply_async_writes(
+        raw: Caller, mixed_app: Celery) -> None:
+    """Celery's own publish (through pgbroker.transaction), in the same transaction: the rows
+    are the same but for the ids made for each message."""
+    items = [item for item in mixed_items(mixed_app) if not str(item[0]).startswith("remote.")
+             and not set(item[3] if len(item) > 3 else {}) - {"queue", "priority"}]
+    ids = pgbroker.enqueue_many(raw.db, items, app=mixed_app)
+    with pgbroker.transaction(raw.db):
+        sent = []
+        for task, args, *rest in items:
+            kwargs, options = rest[0] if rest else None, rest[1] if len(rest) > 1 else {}
+            task = mixed_app.tasks[task] if isinstance(task, str) else task
+            sent.append(task.apply_async(args, kwargs, **options).id)
+    ours = rows_of(raw.conn, ids)
+    theirs = {row["task_id"]: row for row in raw.conn.cursor(row_factory=dict_row).execute(
+        "SELECT * FROM pgbroker.jobs WHERE task_id = ANY(%s)", (sent,))}
+    for item, got, task_id in zip(items, ours, sent, strict=True):
+        expected = theirs[task_id]
+        if item[0] is mixed_app.tasks["t.expiring"]:  # expires: the time of each publish
+            assert got["headers"]["expires"] and got["expires_at"]
+            assert expected["properties"].pop("expiration")  # AMQP TTL: enqueue writes none
+            got, expected = comparable(got), comparable(expected)
+        else:
+            got, expected = comparable(got, times=True), comparable(expected, times=True)
+        assert got == expected, item
+
+
+def test_enqueue_many_in_a_task_takes_its_root_and_parent(
+        raw: Caller, mixed_app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called from a task a worker runs: the root and parent ids are the running task's, for
+    the messages made from a template too."""
+    parent = mixed_app.tasks["t.echo"]
+    parent.push_request(id="parent-id", root_id="root-id", called_directly=False)
+    _task_stack.push(parent)
+    try:
+        assert mixed_app.current_worker_task is parent
+        built = _count_build(monkeypatch)
+        ids = pgbroker.enqueue_many(raw.db, [("t.add", (i, i)) for i in range(5)], app=mixed_app)
+        assert built[0] == 1
+        single = pgbroker.enqueue(raw.db, "t.add", (0, 0), app=mixed_app)
+    finally:
+        _task_stack.pop()
+        parent.pop_request()
+    rows = rows_of(raw.conn, [*ids, single])
+    assert {(r["headers"]["root_id"], r["headers"]["parent_id"]) for r in rows} == {
+        ("root-id", "parent-id")}
+    assert comparable(rows[0]) == comparable(rows[-1])
+    assert [decoded_body(r)[0] for r in rows[:5]] == [[i, i] for i in range(5)]
+
+
+def test_a_router_that_reads_the_arguments_routes_each_job(
+        raw: Caller, mixed_app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    def by_parity(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                  **_: Any) -> dict[str, Any]:
+        return {"queue": f"parity-{args[0] % 2}"} if name == "t.echo" else {}
+
+    mixed_app.conf.task_routes = (by_parity,)
+    built = _count_build(monkeypatch)
+    ids = pgbroker.enqueue_many(raw.db, [("t.echo", (i,)) for i in range(6)], app=mixed_app)
+    assert built[0] == 6  # no template: the router may route each job elsewhere
+    assert [r["queue"] for r in rows_of(raw.conn, ids)] == ["parity-0", "parity-1"] * 3
+
+
+def test_enqueue_many_checks_each_job_as_enqueue_does(raw: Caller, mixed_app: Celery,
+                                                   pg: psycopg.Connection) -> None:
+    """A job made from a template is checked as _build checks it: its arguments, its size,
+    its serialization; the error is the same, and nothing is written."""
+    add = mixed_app.tasks["t.add"]
+    good = [(add, (i, i)) for i in range(1500)] + [
+        ("t.echo", (0,), None, {"priority": 1, "max_attempts": 1})]
+    cases: list[tuple[tuple[Any, ...], type[Exception]]] = [
+        ((add, (1,)), TypeError),                      # the task's signature
+        ((add, (1, 2, 3)), TypeError),
+        ((add, (1,), {"x": 1}), TypeError),
+        (("t.echo", ({1, 2},)), EncodeError),           # JSON has no sets
+        (("t.echo", (2**20000,)), MessageError),       # too long for str(): as_task_v2's error
+        (("t.echo", ("x" * 17_000_000,)), MessageError),  # over max_message_size
+        (("t.echo", (0,), None, {"priority": True}), MessageError),  # True == 1, yet refused
+        (("t.echo", (0,), None, {"max_attempts": True}), MessageError),
+    ]
+    for bad, error in cases:
+        with pytest.raises(error) as expected:
+            pgbroker.enqueue(raw.db, bad[0], *bad[1:3], **(bad[3] if len(bad) > 3 else {}),
+                             app=mixed_app)
+        with pytest.raises(error) as got:
+            pgbroker.enqueue_many(raw.db, [*good, bad, *good], app=mixed_app)
+        assert str(got.value) == str(expected.value)
+    assert raw.execute("SELECT count(*) FROM pgbroker.jobs") == [(0,)]
+    raw.commit()
+    assert jobs(pg) == []
+
+
+def test_plain_repr_is_saferepr() -> None:
+    """_plain_repr gives saferepr's string, or None (then saferepr is called): for every value
+    and limit, including random nested ones."""
+    rng = random.Random(9)
+    scalars = [0, 1, -17, 2**64, True, False, None, 1.5, -0.0, float("inf"), float("nan"),
+               "", "a", "it's", '"', "\\", "\n", "é☃\U0001F600", "two words", "'quoted'"]
+
+    def value(depth: int) -> Any:
+        if depth > 5 or rng.random() < 0.45:
+            return rng.choice(scalars + ["s" * rng.randint(0, 60), rng.randint(-10**6, 10**6)])
+        kind = rng.choice([tuple, list, dict])
+        items = [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        if kind is dict:
+            return {rng.choice(["k", "it's", "é", str(n)]) + str(n): v for n, v in enumerate(items)}
+        return kind(items)
+
+    values = [value(0) for _ in range(3000)] + [
+        (), [], {}, (1,), ("x" * 2000,), {"a": {"b": {"c": {"d": {}}}}}, [[[[[]]]]],
+        (b"bytes",), (Decimal("1"),), ({1, 2},), (Point(1, 2),), ({1: 2},), (range(3),)]
+    made = 0
+    for maxsize in (None, 0, 1, 2, 5, 20, 64, 1024):
+        for maxlevels in (0, 1, 2, 3, 6, -1):
+            for v in values:
+                plain = _plain_repr(v, maxsize, maxlevels)
+                if plain is not None:
+                    made += 1
+                    assert plain == saferepr(v, maxsize, maxlevels=maxlevels), (v, maxsize,
+                                                                                maxlevels)
+    assert made > 50_000  # the fast way is the common one
+    assert _plain_repr(("it's", 1, None, [2.5]), 1024, 3) == "('it\\'s', 1, None, [2.5])"
+    assert _plain_repr((b"x",), 1024, 3) is None and _plain_repr(("x" * 1030,), 1024, 3) is None
+
+
+def test_task_ids_are_uuid4_strings() -> None:
+    made = {_task_id() for _ in range(2000)}
+    assert len(made) == 2000
+    for text in made:
+        parsed = uuid.UUID(text)
+        assert str(parsed) == text and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+
+
+# -- enqueue_many: batches pipelined inside a transaction ----------------------------------------
+
+def test_batches_are_pipelined_and_duplicates_resolved_across_them(
+        caller: Caller, app: Celery, pg: psycopg.Connection) -> None:
+    existing = pgbroker.enqueue(caller.db, "t.pay", (0,), app=app, idempotency_key="k1")
+    Recorder.log = []
+    items = [("t.pay", (i,), None, {"idempotency_key": f"k{i % 700}"}) for i in range(2500)]
+    ids = pgbroker.enqueue_many(caller.db, items, app=app, batch_size=1000)
+    caller.commit()
+
+    statements = [entry for entry in Recorder.log if '"pgbroker".jobs' in entry[0]]
+    assert len(statements) == 6 and all(in_pipeline for _, in_pipeline in statements)
+    assert ids[1] == ids[701] == ids[2101] == existing  # a duplicate of an earlier statement
+    assert all(ids[i] == ids[i % 700] for i in range(2500))
+    assert len(set(ids)) == 700 and len(jobs(pg)) == 700
+    rows = {r["id"]: r for r in jobs(pg)}
+    assert all(decoded_body(rows[ids[i]])[0] == [i] for i in range(2, 700))  # the first kept
+
+
+def test_autocommit_batches_go_one_by_one(app: Celery, db_url: str,
+                                          pg: psycopg.Connection) -> None:
+    """No transaction to pipeline into: each batch is a statement, and a transaction, of its
+    own, as before."""
+    Recorder.log = []
+    with psycopg.connect(db_url, autocommit=True, cursor_factory=Recorder) as conn:
+        ids = pgbroker.enqueue_many(conn, [("t.add", (i, i)) for i in range(2500)], app=app)
+    inserts = pgbroker_inserts()
+    assert len(inserts) == 3 and not any(in_pipeline for _, in_pipeline in inserts)
+    assert sorted(r["id"] for r in jobs(pg)) == sorted(ids)
+
+
+def test_a_failed_batch_fails_the_pipelined_write(raw: Caller, app: Celery,
+                                                  pg: psycopg.Connection) -> None:
+    """A statement PostgreSQL refuses (a NUL in a header, which jsonb cannot hold) raises what
+    the per-job path raises, though the batches after it were already sent."""
+    with pytest.raises(psycopg.Error) as expected:
+        pgbroker.enqueue(raw.db, "t.add", ("a\x00", "b"), app=app)
+    raw.rollback()
+    items = [("t.add", (i, i)) for i in range(2500)]
+    items[1200] = ("t.add", ("a\x00", "b"))
+    with pytest.raises(psycopg.Error) as got:
+        pgbroker.enqueue_many(raw.db, items, app=app)
+    assert type(got.value) is type(expected.value)
+    assert raw.conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    raw.rollback()
+    assert jobs(pg) == []
+
+
+def test_a_database_without_the_schema_fails_the_pipelined_write(
+        raw: Caller, broker_url: str) -> None:
+    app = Celery("elsewhere", broker=broker_url, set_as_current=False)
+    app.conf.broker_transport_options = {"schema": "not_migrated"}
+    with pytest.raises(SchemaError, match="no pgbroker schema 'not_migrated'"):
+        pgbroker.enqueue_many(raw.db, [("t.add", (i, i)) for i in range(2500)], app=app)
+
+
+def test_another_client_encoding_is_sent_by_psycopg(raw: Caller, mixed_app: Celery,
+                                                    pg: psycopg.Connection) -> None:
+    """The text columns are made here in UTF-8 only; a LATIN1 connection gets psycopg's own."""
+    raw.execute("SET client_encoding = 'LATIN1'")
+    items = [("t.echo", ("café",), None, {"queue": "café", "idempotency_key": f"clé-{i}"})
+             for i in range(3)]
+    ids = pgbroker.enqueue_many(raw.db, items, app=mixed_app)
+    single = pgbroker.enqueue(raw.db, "t.echo", ("café",), queue="café", idempotency_key="clé",
+                              app=mixed_app)
+    raw.commit()
+    rows = rows_of(pg, [*ids, single])  # (psycopg reads jsonb as UTF-8: read it in UTF-8)
+    assert [r["idempotency_key"] for r in rows] == ["clé-0", "clé-1", "clé-2", "clé"]
+    assert {r["queue"] for r in rows} == {"café"}
+    assert len({str(comparable({**r, "idempotency_key": None, "headers": {
+        **r["headers"], "idempotency_key": None}})) for r in rows}) == 1
+
+
+def test_a_client_side_binding_connection_gets_psycopgs_lists(
+        app: Celery, db_url: str, pg: psycopg.Connection) -> None:
+    """Django's default cursors bind client-side (literals in the SQL): the columns are then
+    psycopg's own lists, pipelined all the same."""
+    with psycopg.connect(db_url, cursor_factory=psycopg.ClientCursor) as conn:
+        existing = pgbroker.enqueue(conn, "t.pay", (0,), app=app, idempotency_key="k1")
+        ids = pgbroker.enqueue_many(conn, [
+            *[("t.pay", (i,), None, {"idempotency_key": f"k{i % 700}"}) for i in range(2500)],
+            *[("t.add", (i, i)) for i in range(1200)]], app=app)
+    assert ids[1] == ids[2101] == existing
+    rows = {r["id"]: r for r in jobs(pg)}
+    assert len(rows) == 700 + 1200 and set(ids) == set(rows)
+    assert decoded_body(rows[ids[-1]])[0] == [1199, 1199]
