@@ -231,7 +231,7 @@ class Store:
 
     def insert(self, job: NewJob) -> None:
         """One message: a statement prepared once per connection, with its parameters encoded
-        here rather than by psycopg's adaptation (half the client CPU of a publish)."""
+        here rather than by psycopg's adaptation (a quarter less client CPU per INSERT)."""
         params = job.text_params()
         params["channel"] = self.settings.channel.encode()
         sync = self.settings.durable_publish
