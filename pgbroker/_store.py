@@ -243,7 +243,7 @@ class Store:
             names = self._prepared.get("job_insert")
             if names is None:
                 text, names = _numbered(self.q["job_insert"])
-                _check(pgconn.prepare(b"pgbroker_insert", text))
+                _prepare(pgconn, b"pgbroker_insert", text)
                 self._prepared["job_insert"] = names
             _send(pgconn, b"pgbroker_insert", [params[n] for n in names],
                   [1 if n == "body" else 0 for n in names])
@@ -442,7 +442,7 @@ class LoopStatements:
             conn.execute("SET plan_cache_mode = force_generic_plan")
             for name, key in self._STATEMENTS.items():
                 text, self._order[name] = _numbered(q[key])
-                _check(self._pgconn.prepare(name, text, [self._TYPES[n] for n in self._order[name]]))
+                _prepare(self._pgconn, name, text, [self._TYPES[n] for n in self._order[name]])
         self._tx = Transformer(conn)
         self._sent: tuple[bytes, list[bytes]] | None = None
         self._results: list[Any] = []
@@ -508,6 +508,19 @@ def _send(pgconn: psycopg.pq.abc.PGconn, name: bytes, values: Sequence[bytes | N
         readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
         if readable:
             pgconn.consume_input()
+
+
+def _prepare(pgconn: psycopg.pq.abc.PGconn, name: bytes, text: bytes,
+             types: Sequence[int] | None = None) -> None:
+    """PREPARE, waiting in Python (libpq's blocking PQprepare would not return to Python for a
+    signal, a Ctrl-C, while it waits: a lock on the table can make it wait)."""
+    pgconn.send_prepare(name, text, types)
+    while pgconn.flush():
+        select.select([], [pgconn.socket], [])
+    results: list[Any] = []
+    _collect(pgconn, results, wait=True)
+    for result in results:
+        _check(result)
 
 
 def _collect(pgconn: psycopg.pq.abc.PGconn, results: list[Any], wait: bool) -> bool:
