@@ -409,8 +409,9 @@ class Channel(virtual.Channel):
             self.store.ack(acks)
 
     def claim_and_deliver(self) -> int:
-        """Claim what the free prefetch slots allow and hand it to the consumers (writing the
-        deferred acks in the same statement)."""
+        """Synchronous path (``drain_events``): claim what the free prefetch slots allow and
+        hand it over, writing the deferred acks in the same statement. The event loop uses
+        :meth:`send_claim` / :meth:`claimed` instead."""
         queues = self._active_queues
         if not queues or not self.qos.can_consume():
             self.flush_acks()
