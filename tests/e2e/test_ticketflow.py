@@ -240,12 +240,19 @@ def test_the_short_demo_runs_to_completion_and_prints_its_counts(
     children_gone(done.stdout)
 
 
+def as_from_a_terminal() -> None:
+    """Give the child the SIGINT disposition of a terminal's foreground job. A shell without job
+    control starts background commands (``.ci/run &``) with SIGINT ignored, children inherit that,
+    and Python then installs no KeyboardInterrupt handler: Ctrl-C would be ignored, rightly."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_demo_and_its_worker_and_beat_cleanly(
         db_url: str, tmp_path: Path) -> None:
     demo = subprocess.Popen(
         [sys.executable, "-m", "ticketflow", "demo", "--log-dir", str(tmp_path)], cwd=REPO_ROOT,
         env=demo_env(PGBROKER_DATABASE_URL=db_url), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal)
     try:
         lines: list[str] = []
         for line in demo.stdout:  # the first live refresh: reservations are being made
