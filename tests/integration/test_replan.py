@@ -1,0 +1,92 @@
+"""Prepared claims are planned again as ``jobs`` grows (``pgbroker._store.REPLAN_SECONDS``).
+
+PostgreSQL keeps a prepared statement's plan until an ANALYZE or a schema change. A worker that
+starts on an empty table plans its claim for an empty table: the claimed rows are then found by
+reading the whole table. Without an ANALYZE (a new schema before autovacuum's first one, or
+autovacuum off, as on the machine these tests were written on) that plan would stay while the
+table grows. Each test first shows the empty table's plan with its sequential scan (so the test
+can fail), then fills the table and checks that the statement the connection now holds reads
+``jobs`` through indexes only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import psycopg
+import pytest
+
+import pgbroker._store
+from pgbroker._store import _numbered, queries
+from tests.integration.test_event_loop import LoopConsumer
+from tests.integration.transport_support import NO_POLL, connect, publish, store_for
+
+INTERVAL = 1.0  # REPLAN_SECONDS for these tests
+
+
+@pytest.fixture(autouse=True)
+def _short_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pgbroker._store, "REPLAN_SECONDS", INTERVAL)
+
+
+def grow(pg: psycopg.Connection, rows: int = 20_000) -> None:
+    """Finished jobs of another queue, as a retention window holds them; no ANALYZE."""
+    pg.execute("INSERT INTO pgbroker.jobs (id, queue, body, state) "
+               "SELECT gen_random_uuid(), 'finished', '\\x00', 'completed' "
+               "FROM generate_series(1, %s)", (rows,))
+    pg.commit()
+
+
+def claim_plan(conn: psycopg.Connection, statement: str) -> str:
+    """EXPLAIN of ``statement``, a claim prepared on ``conn``, as that session would run it."""
+    values = {"queue": "'replan'", "limit": "1", "consumer": f"'{uuid.uuid4()}'",
+              "ids": "'{}'", "attempts": "'{}'"}
+    _, names = _numbered(queries("pgbroker")["job_claim"])
+    args = ", ".join(values[n] for n in names)
+    return "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE {statement}({args})"))
+
+
+def test_the_event_loop_plans_its_claim_again_once_the_table_grew(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+        consumer = LoopConsumer(conn, "replan", prefetch=1)
+        publish(producer, "on an empty table", "replan")
+        consumer.run_until(lambda: len(consumer.received) == 1)
+        listener = conn.transport._listen()
+        consumer.run_until(lambda: not conn.transport._line.busy)
+        assert "Seq Scan on jobs" in claim_plan(listener, "pgbroker_claim")
+
+        grow(pg)
+        time.sleep(INTERVAL)
+        publish(producer, "on a grown table", "replan")
+        consumer.run_until(lambda: len(consumer.received) == 2)
+        consumer.run_until(lambda: not conn.transport._line.busy)
+        plan = claim_plan(listener, "pgbroker_claim")
+        consumer.hub.close()
+    assert "Seq Scan on jobs" not in plan, plan
+    assert "jobs_claim_idx" in plan, plan
+
+
+def test_the_store_plans_its_statements_again_once_the_table_grew(
+        db_url: str, pg: psycopg.Connection) -> None:
+    store = store_for(db_url)
+    consumer = uuid.uuid4()
+
+    def prepared_claim() -> str:
+        """The claim as psycopg prepared it (at its 5th execution) on the store's connection."""
+        for _ in range(6):
+            assert store.claim("replan", 1, consumer) == []
+        return store.conn.execute(
+            "SELECT name FROM pg_prepared_statements "
+            "WHERE statement LIKE '%%candidates AS MATERIALIZED%%'").fetchone()[0]
+
+    try:
+        assert "Seq Scan on jobs" in claim_plan(store.conn, prepared_claim())
+        grow(pg)
+        time.sleep(INTERVAL)
+        plan = claim_plan(store.conn, prepared_claim())
+    finally:
+        store.close()
+    assert "Seq Scan on jobs" not in plan, plan
+    assert "jobs_claim_idx" in plan, plan
