@@ -432,6 +432,11 @@ class Store:
         return self._execute("consumer_heartbeat", {"id": consumer,
                                                     "queues": list(queues)}).rowcount == 1
 
+    def autovacuum_on(self) -> bool:
+        """Whether autovacuum vacuums ``jobs`` (see docs/operations.md, "Vacuum")."""
+        row = self._execute("jobs_autovacuum").fetchone()
+        return bool(row and row[0])
+
     def unregister_consumer(self, consumer: uuid.UUID) -> None:
         self._execute("consumer_unregister", {"id": consumer})
 

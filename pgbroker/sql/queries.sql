@@ -322,3 +322,11 @@ UPDATE {schema}.consumers SET heartbeat_at = now(), queues = %(queues)s WHERE id
 
 -- name: consumer_unregister
 DELETE FROM {schema}.consumers WHERE id = %(id)s;
+
+-- name: jobs_autovacuum
+-- Whether autovacuum looks after the jobs table: the server's settings and the table's own.
+SELECT current_setting('autovacuum')::boolean AND current_setting('track_counts')::boolean
+       AND coalesce((SELECT option_value::boolean FROM pg_options_to_table(c.reloptions)
+                     WHERE option_name = 'autovacuum_enabled'), true)
+FROM pg_class AS c
+WHERE c.oid = '{schema}.jobs'::regclass;
