@@ -167,6 +167,10 @@ def table(results: dict[str, Any]) -> str:
             f"{_load(results.get('load_after'))} at the end; "
             f"{results.get('options', {}).get('rounds')} interleaved rounds, "
             f"N = {results.get('options', {}).get('n'):,}; cells are best / median.")
+    if results.get("server"):
+        version, autovacuum, synchronous_commit, fsync = results["server"]
+        load += (f"\n{version.split(' on ')[0]}: autovacuum={autovacuum}, "
+                 f"synchronous_commit={synchronous_commit}, fsync={fsync}.")
     return "\n".join([load, ""] + lines + ([""] + notes + errors + faults
                                            if notes or errors or faults else []))
 

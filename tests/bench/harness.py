@@ -887,6 +887,9 @@ def run(opts: Options, out_dir: str | None = None) -> dict[str, Any]:
                                "load_before": os.getloadavg(), "started": time.time()}
     results_path = os.path.join(out_dir, "results.json")
     with bench_database(opts.server_url, "main") as db_url:
+        results["server"] = execute(  # autovacuum off makes pgbroker's claims slower as it runs
+            db_url, "SELECT version(), current_setting('autovacuum'), "
+                    "current_setting('synchronous_commit'), current_setting('fsync')")[0]
         for section in opts.sections:
             started = time.monotonic()
             try:
