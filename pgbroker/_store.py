@@ -35,11 +35,11 @@ from .settings import Settings
 
 __all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "queries"]
 
-#: Seconds a prepared statement's plan is kept. PostgreSQL replans a cached plan only after an
-#: ANALYZE or a schema change; a plan made while ``jobs`` was nearly empty (a new schema, before
-#: autovacuum's first ANALYZE, or with autovacuum off) reads the whole table on every claim
-#: once it has grown: 80 tasks/s instead of 1,100 at 65,000 rows. Planned again, the same
-#: statement uses the indexes, as the planner sees the table's current size.
+#: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
+#: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
+#: empty (a new schema, before autovacuum's first ANALYZE, or with autovacuum off) reads the
+#: whole table on every claim once it has grown: 80 tasks/s instead of 1,100 at 65,000 rows.
+#: Planned again, the same statement uses the indexes, as the planner sees the table's size.
 REPLAN_SECONDS = 10.0
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Store:
         self._exec_lock = threading.RLock()
         self._sync: bool | None = None  # the connection's synchronous_commit, as last set
         self._prepared: dict[str, list[str]] = {}  # statements prepared on it: parameter names
-        self._replan_at = 0.0  # when its prepared statements are dropped (REPLAN_SECONDS)
+        self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
         self._pid = os.getpid()
 
     # -- connection ------------------------------------------------------------------------------
@@ -233,11 +233,10 @@ class Store:
             return conn.cursor(binary=binary, row_factory=tuple_row).execute(self.q[name], params)
 
     def _set_sync(self, conn: psycopg.Connection[Any], sync: bool) -> None:
-        """Every statement passes here: also drop the prepared statements when their plans are
-        due (psycopg forgets its own on ``DEALLOCATE ALL`` and prepares them again)."""
+        """Every statement passes here: also drop the plans of the prepared statements when
+        they are due (the statements stay prepared, for psycopg's cache and ours)."""
         if monotonic() >= self._replan_at:
-            conn.execute("DEALLOCATE ALL")
-            self._prepared = {}
+            conn.execute("DISCARD PLANS")
             self._replan_at = monotonic() + REPLAN_SECONDS
         if self._sync is not sync:
             conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
@@ -457,15 +456,13 @@ class LoopStatements:
     def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
         self._pgconn = conn.pgconn
         self._order: dict[bytes, list[str]] = {}
-        self._texts: dict[bytes, bytes] = {}
         q = queries(settings.schema)
         with _db.translate_errors("preparing the claim"):
             conn.execute("SET synchronous_commit = " + ("on" if settings.durable_acks else "off"))
             conn.execute("SET plan_cache_mode = force_generic_plan")
             for name, key in self._STATEMENTS.items():
-                self._texts[name], self._order[name] = _numbered(q[key])
-                _prepare(self._pgconn, name, self._texts[name],
-                         [self._TYPES[n] for n in self._order[name]])
+                text, self._order[name] = _numbered(q[key])
+                _prepare(self._pgconn, name, text, [self._TYPES[n] for n in self._order[name]])
         self._tx = Transformer(conn)
         self._planned_at = monotonic()
         self._sent: tuple[bytes, list[bytes]] | None = None
@@ -492,11 +489,7 @@ class LoopStatements:
         values = params if isinstance(params, list) else [params[n] for n in self._order[name]]
         with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
             if monotonic() - self._planned_at >= REPLAN_SECONDS:  # see REPLAN_SECONDS
-                for statement in self._STATEMENTS:
-                    _run(self._pgconn, b"DEALLOCATE " + statement)
-                    text = self._texts[statement]
-                    _prepare(self._pgconn, statement, text,
-                             [self._TYPES[n] for n in self._order[statement]])
+                _run(self._pgconn, b"DISCARD PLANS")
                 self._planned_at = monotonic()
             _send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values)

@@ -1,4 +1,4 @@
-"""Prepared claims are planned again as ``jobs`` grows (``pgbroker._store.REPLAN_SECONDS``).
+"""Prepared claims are planned again as ``jobs`` grows (``DISCARD PLANS`` every ``REPLAN_SECONDS``).
 
 PostgreSQL keeps a prepared statement's plan until an ANALYZE or a schema change. A worker that
 starts on an empty table plans its claim for an empty table: the claimed rows are then found by
@@ -90,3 +90,19 @@ def test_the_store_plans_its_statements_again_once_the_table_grew(
         store.close()
     assert "Seq Scan on jobs" not in plan, plan
     assert "jobs_claim_idx" in plan, plan
+
+
+def test_statements_prepared_between_two_replans_still_run(db_url: str) -> None:
+    """Only the plans go: the statements psycopg prepared stay usable. (Found when the first
+    replan, with nothing prepared yet, made psycopg ignore the next one's DEALLOCATE ALL, and
+    a publish failed: 'prepared statement "_pg3_0" does not exist'.)"""
+    store = store_for(db_url)
+    consumer = uuid.uuid4()
+    try:
+        store.connect()
+        for _ in range(2):
+            time.sleep(INTERVAL)  # a replan before any statement was prepared, then another
+            for _ in range(7):  # psycopg prepares the claim at its 5th execution
+                assert store.claim("replan", 1, consumer) == []
+    finally:
+        store.close()
