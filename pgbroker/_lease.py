@@ -132,7 +132,12 @@ def _warn_without_autovacuum(store: Store) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    if not store.autovacuum_on():
+    try:
+        on = store.autovacuum_on()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the consumer
+        logger.debug("pgbroker: cannot tell whether autovacuum runs: %s", exc)
+        return
+    if not on:
         table = f"{store.settings.schema}.jobs"
         logger.warning(
             "pgbroker: autovacuum is off for %s. Every task leaves dead row versions behind that "

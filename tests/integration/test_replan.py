@@ -1,4 +1,4 @@
-"""Prepared claims are planned again as ``jobs`` grows (``DISCARD PLANS`` every ``REPLAN_SECONDS``).
+"""Prepared claims are planned again as ``jobs`` grows (``DISCARD PLANS``, ``REPLAN_SECONDS``).
 
 PostgreSQL keeps a prepared statement's plan until an ANALYZE or a schema change. A worker that
 starts on an empty table plans its claim for an empty table: the claimed rows are then found by
