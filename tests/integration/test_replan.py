@@ -4,9 +4,9 @@ PostgreSQL keeps a prepared statement's plan until an ANALYZE or a schema change
 starts on an empty table plans its claim for an empty table: the claimed rows are then found by
 reading the whole table. Without an ANALYZE (a new schema before autovacuum's first one, or
 autovacuum off, as on the machine these tests were written on) that plan would stay while the
-table grows. Each test first shows the empty table's plan with its sequential scan (so the test
-can fail), then fills the table and checks that the statement the connection now holds reads
-``jobs`` through indexes only.
+table grows. The first two tests show the empty table's plan with its sequential scan (so they
+can fail), then fill the table and check that the statement the connection now holds reads
+``jobs`` through indexes only; the third, that re-planning keeps the statements prepared.
 """
 
 from __future__ import annotations
