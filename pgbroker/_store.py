@@ -229,12 +229,13 @@ class Store:
         self._check_fork()
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
-            self._set_sync(conn, sync)
+            self._before_statement(conn, sync)
             return conn.cursor(binary=binary, row_factory=tuple_row).execute(self.q[name], params)
 
-    def _set_sync(self, conn: psycopg.Connection[Any], sync: bool) -> None:
-        """Every statement passes here: also drop the plans of the prepared statements when
-        they are due (the statements stay prepared, for psycopg's cache and ours)."""
+    def _before_statement(self, conn: psycopg.Connection[Any], sync: bool) -> None:
+        """Before every statement: drop the cached plans when they are due (``REPLAN_SECONDS``;
+        the statements stay prepared, for psycopg's cache and ours), and set
+        ``synchronous_commit`` for this statement."""
         if monotonic() >= self._replan_at:
             conn.execute("DISCARD PLANS")
             self._replan_at = monotonic() + REPLAN_SECONDS
@@ -253,7 +254,7 @@ class Store:
         self._check_fork()
         with self._exec_lock, _db.translate_errors("pgbroker job_insert"):
             conn = self.conn
-            self._set_sync(conn, sync)
+            self._before_statement(conn, sync)
             pgconn = conn.pgconn
             names = self._prepared.get("job_insert")
             if names is None:
