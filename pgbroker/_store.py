@@ -465,7 +465,7 @@ class LoopStatements:
                 text, self._order[name] = _numbered(q[key])
                 _prepare(self._pgconn, name, text, [self._TYPES[n] for n in self._order[name]])
         self._tx = Transformer(conn)
-        self._planned_at = monotonic()
+        self._replan_at = monotonic() + REPLAN_SECONDS  # as in Store
         self._sent: tuple[bytes, list[bytes]] | None = None
         self._results: list[Any] = []
         self._retries = 0
@@ -489,9 +489,9 @@ class LoopStatements:
         assert self._sent is None, "a statement is in flight already"
         values = params if isinstance(params, list) else [params[n] for n in self._order[name]]
         with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
-            if monotonic() - self._planned_at >= REPLAN_SECONDS:  # see REPLAN_SECONDS
+            if monotonic() >= self._replan_at:  # see REPLAN_SECONDS
                 _run(self._pgconn, b"DISCARD PLANS")
-                self._planned_at = monotonic()
+                self._replan_at = monotonic() + REPLAN_SECONDS
             _send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values)
 
