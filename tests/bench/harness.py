@@ -434,13 +434,13 @@ def pgbench_scripts(db_url: str, sample: dict[str, Any], batch: int = 10) -> tup
             "properties": lit(Jsonb(sample["properties"])), "priority": "0",
             "max_attempts": "5", "run_at": "NULL", "expires_at": "NULL",
             "idempotency_key": "NULL", "channel": lit(f"{PGBENCH_SCHEMA}.jobs")}) + ";\n"
-        head, found, update = q["job_claim"].partition("\nUPDATE ")
-        if not found:
-            raise RuntimeError("job_claim no longer ends with an UPDATE: adapt pgbench_scripts")
-        claim = (head + ",\nclaimed AS (\nUPDATE " + update.rstrip().rstrip(";") + "\n)\n"
-                 "SELECT coalesce(array_agg(id)::text, '{}') AS ids,\n"
+        head, found, tail = q["job_claim"].rpartition("\nSELECT ")
+        if not found or "\nFROM updated\n" not in tail:
+            raise RuntimeError("job_claim no longer ends with a SELECT of its 'updated' rows: "
+                               "adapt pgbench_scripts")
+        claim = (head + "\nSELECT coalesce(array_agg(id)::text, '{}') AS ids,\n"
                  "       coalesce(array_agg(attempts)::text, '{}') AS atts\n"
-                 "FROM claimed \\gset\n")
+                 "FROM updated WHERE state = 'running' \\gset\n")
         claim = _render(claim, {"queue": lit("pgbench_claim"), "limit": str(batch),
                                 "consumer": lit(uuid.uuid4()), "ids": "(:ids)",
                                 "attempts": "(:atts)"})
