@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -109,6 +110,9 @@ ENTRY_HEADER = "pgbroker_beat_entry"
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MICROSECOND = timedelta(microseconds=1)
+
+#: Set while a thread's scheduler applies its config (see Scheduler.setup_schedule).
+_applying = threading.local()
 
 
 # -- grids: when the occurrences of a schedule fall ---------------------------------------------
@@ -501,11 +505,20 @@ class Scheduler(celery_beat.Scheduler):
         self._configs = {
             name: entry_config(name, e.task, e.schedule, e.args, e.kwargs, e.options, tz)
             for name, e in self.data.items()}
+        if getattr(_applying, "config", False):
+            # Built inside Celery's SIGTERM/SIGINT handler: a beat stopped while its first
+            # scheduler applies the config reads Service.scheduler before it is set, so Celery
+            # builds a second one on top of the first. The first holds the config lock until the
+            # handler returns: waiting for it here would hang beat for good. Beat is stopping.
+            return
+        _applying.config = True
         try:
             self.sync_config()
         except DatabaseUnavailable as exc:
             logger.error("beat: cannot apply beat_schedule yet (%s); trying again at every "
                          "tick", exc)
+        finally:
+            _applying.config = False
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """One pass: fire what is due; return the seconds to sleep. Never raises for a lost

@@ -124,3 +124,22 @@ def test_a_task_reads_its_occurrence_and_run_time_switches_are_followed(
     assert set(counts.values()) == {1}
     for process in (beat, worker):
         process.stop()
+
+
+def test_beat_stopped_while_it_applies_its_config_exits(broker_url: str, db_url: str,
+                                                        pg: psycopg.Connection) -> None:
+    """SIGTERM while the first scheduler applies the config, its config lock held: Celery's
+    handler builds a second scheduler (Service.sync reads Service.scheduler, not set yet), which
+    must not wait for that lock. It did, and beat hung until SIGKILL."""
+    # An entry of an earlier config: this beat's sync marks it removed, and waits for its row.
+    pg.execute("INSERT INTO pgbroker.beat_schedule (name, task, schedule, source, "
+               "next_occurrence) VALUES ('gone', 'gone', '{\"every\": 60}', 'config', now())")
+    with psycopg.connect(db_url) as holder, holder.transaction():
+        holder.execute("SELECT 1 FROM pgbroker.beat_schedule WHERE name = 'gone' FOR UPDATE")
+        beat = run_beat("tests.e2e.beat_app", broker_url)
+        wait_for(lambda: pg.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE application_name = 'pgbroker beat' "
+            "AND wait_event_type = 'Lock'").fetchone(), 60, message="beat waiting for the row")
+        beat.kill(signal.SIGTERM)
+        time.sleep(0.5)  # the signal is in; beat goes on once the row is free
+    assert beat.wait(20) == 0, beat.log()[-3000:]
