@@ -84,13 +84,15 @@ WITH candidates AS MATERIALIZED (
     -- = ANY(...), not a join: with statistics that still see an empty table (a drained queue
     -- before the next ANALYZE), a cached join plan walked all of jobs_pkey (9-15 ms per claim).
     UPDATE {schema}.jobs AS j
-    SET state = CASE WHEN j.id = ANY(c.ids) THEN 'running'
+    -- A row updated here is 'pending' only if it is a candidate (locked above, so unchanged);
+    -- an acked one is 'running'.
+    SET state = CASE WHEN j.state = 'pending' THEN 'running'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         -- an attempt is spent at claim: a job that kills its worker has used it up, so a
         -- poison job cannot loop
-        attempts = CASE WHEN j.id = ANY(c.ids) THEN j.attempts + 1 ELSE j.attempts END,
-        locked_at = CASE WHEN j.id = ANY(c.ids) THEN now() END,
-        locked_by = CASE WHEN j.id = ANY(c.ids) THEN %(consumer)s ELSE j.locked_by END,
+        attempts = CASE WHEN j.state = 'pending' THEN j.attempts + 1 ELSE j.attempts END,
+        locked_at = CASE WHEN j.state = 'pending' THEN now() END,
+        locked_by = CASE WHEN j.state = 'pending' THEN %(consumer)s ELSE j.locked_by END,
         updated_at = now()
     FROM (SELECT ARRAY(SELECT id FROM candidates) AS ids) AS c
     WHERE j.id = ANY(c.ids || %(ids)s::uuid[])
