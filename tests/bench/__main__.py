@@ -6,6 +6,7 @@ Examples::
     python -m tests.bench --n 1000 --rounds 1 --sections compare
     python -m tests.bench --sections memory                # the slow RSS bench (100k tasks)
     python -m tests.bench --sections profile               # py-spy on a pgbroker worker's drain
+    python -m tests.bench --sections ceiling --rounds 6    # against a bare jobs table
     python -m tests.bench --plot docs/drain_vs_table_size.png
 
 RabbitMQ (127.0.0.1:5672) and Redis (127.0.0.1:6379) are measured when they answer; PostgreSQL
@@ -204,6 +205,36 @@ def profile_report(profile: dict[str, Any], top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def ceiling_report(ceiling: dict[str, Any]) -> str:
+    """The ceiling section: best / median of each broker, and the median over the rounds of
+    each round's own ratio (pgbroker and bare against RabbitMQ for the drain and the latency,
+    against Redis for the publish, as the goals are set)."""
+    runs = ceiling["runs"]
+    labels = {**LABELS, "pgbroker_bare": "pgbroker, bare table"}
+    columns = [(k, labels[k]) for k in ("pgbroker", "pgbroker_bare", "rabbitmq", "redis")
+               if k in runs]
+    peers = {"publish": "redis", "drain": "rabbitmq", "p50_ms": "rabbitmq", "p99_ms": "rabbitmq"}
+    lines = ["| metric [acks_late, prefetch x1] | " + " | ".join(label for _, label in columns)
+             + " | pgbroker / peer | bare / peer |", "|" + "---|" * (len(columns) + 3)]
+    for key, label, higher in COMPARE_METRICS:
+        cells = [_cell(best_median([r[key] for r in runs[k]], higher)) for k, _ in columns]
+        peer = peers[key]
+        ratios = [_round_ratio(runs, k, peer, key) for k in ("pgbroker", "pgbroker_bare")]
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(
+            f"{r:.2f} ({LABELS[peer]})" if r is not None else "—" for r in ratios) + " |")
+    rounds = len(runs["pgbroker"])
+    return (f"Ceiling ({rounds} round(s); bare = UNLOGGED jobs, no CHECK constraints, only the "
+            "indexes the claim and ack read; the ratio columns are medians of each round's own "
+            "ratio):\n\n" + "\n".join(lines))
+
+
+def _round_ratio(runs: dict[str, list[dict[str, Any]]], key: str, peer: str,
+                 metric: str) -> float | None:
+    pairs = [(a[metric], b[metric]) for a, b in zip(runs.get(key, []), runs.get(peer, []))
+             if a.get(metric) and b.get(metric)]
+    return statistics.median(a / b for a, b in pairs) if pairs else None
+
+
 def plot_scale(results: dict[str, Any], path: str) -> None:
     """Drain rate against table size (medians, with the best and worst round as the bar)."""
     import matplotlib
@@ -253,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated, from: " + ", ".join(defaults.brokers))
     parser.add_argument("--sections", default=",".join(defaults.sections),
                         help="comma-separated, from: compare, pgbench, transport, scale, bulk, "
-                             "memory, profile")
+                             "memory, profile, ceiling")
     parser.add_argument("--scale-sizes", default=",".join(map(str, defaults.scale_sizes)),
                         help="completed rows at each point of the scale section")
     parser.add_argument("--memory-tasks", type=int, default=defaults.memory_tasks)
@@ -265,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         n=args.n, rounds=args.rounds, latency_samples=args.latency_samples,
         brokers=_names(args.brokers, defaults.brokers),
         sections=_names(args.sections, ("compare", "pgbench", "transport", "scale", "bulk",
-                                        "memory", "profile")),
+                                        "memory", "profile", "ceiling")),
         scale_sizes=tuple(int(s) for s in args.scale_sizes.split(",")),
         memory_tasks=args.memory_tasks, profile_tasks=args.profile_tasks)
     results = harness.run(opts, args.out)
@@ -273,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     if "profile" in results:
         print()
         print(profile_report(results["profile"]))
+    if "ceiling" in results:
+        print()
+        print(ceiling_report(results["ceiling"]))
     if args.plot and "scale" in results:
         plot_scale(results, args.plot)
         print(f"\nplot: {args.plot}")

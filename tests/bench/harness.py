@@ -633,6 +633,49 @@ def run_scale(opts: Options, log_dir: str) -> dict[str, Any]:
     return {"points": points}
 
 
+# -- the ceiling: the same drain with the database's durable work taken away ---------------------
+
+#: What "bare" takes away from pgbroker's schema: the WAL (UNLOGGED: a crash empties the table),
+#: the CHECK constraints, and every index the claim and ack do not read. Never a configuration
+#: to run: it only measures how much of the distance to RabbitMQ is the database's durable
+#: bookkeeping and how much is the client-server round trip itself.
+BARE_SQL = ("ALTER TABLE pgbroker.jobs SET UNLOGGED",
+            *(f"ALTER TABLE pgbroker.jobs DROP CONSTRAINT {name}" for name in (
+                "jobs_state_check", "jobs_attempts_check", "jobs_max_attempts_check",
+                "jobs_priority_check", "jobs_running_locked_check")),
+            *(f"DROP INDEX pgbroker.{name}" for name in (
+                "jobs_expires_idx", "jobs_finished_idx", "jobs_idempotency_key_idx",
+                "jobs_task_delivery_idx", "jobs_dead_idx")))
+
+
+def run_ceiling(db_url: str, opts: Options, log_dir: str) -> dict[str, Any]:
+    """pgbroker, pgbroker on a bare ``jobs`` table (``BARE_SQL``), RabbitMQ and Redis, acks late,
+    prefetch x1, interleaved; each round's ratios are taken within the round (the machine's
+    speed drifts between rounds more than the brokers differ)."""
+    queue = f"ceiling_{os.getpid()}"
+    config = CONFIGS[0]
+    known = brokers(db_url)
+    with bench_database(opts.server_url, "bare") as bare_url:
+        for statement in BARE_SQL:
+            execute(bare_url, statement)
+        bare = dataclasses.replace(known["pgbroker"], key="pgbroker_bare",
+                                   label="pgbroker, bare table", url="pgbroker+" + bare_url)
+        chosen = [(known["pgbroker"], db_url), (bare, bare_url)]
+        chosen += [(known[k], db_url) for k in ("rabbitmq", "redis")
+                   if known[k].unavailable(db_url) is None]
+        runs: dict[str, list[dict[str, Any]]] = {b.key: [] for b, _ in chosen}
+        try:
+            for round_ in range(opts.rounds):
+                for broker, url in chosen:
+                    result = measure(broker, config, url, queue, opts, log_dir)
+                    runs[broker.key].append(result)
+                    opts.log(f"ceiling round {round_ + 1} {broker.key}: {_brief(result)}")
+        finally:
+            for broker, _ in chosen:
+                broker.cleanup(queue)
+    return {"runs": runs}
+
+
 # -- bulk enqueue --------------------------------------------------------------------------------
 
 def run_bulk(db_url: str, opts: Options) -> dict[str, list[float]]:
@@ -923,4 +966,6 @@ def _run_section(section: str, db_url: str, opts: Options, log_dir: str, out_dir
         return run_memory(opts, log_dir)
     if section == "profile":
         return run_profile(opts, log_dir, out_dir)
+    if section == "ceiling":
+        return run_ceiling(db_url, opts, log_dir)
     raise ValueError(f"unknown section {section!r}")

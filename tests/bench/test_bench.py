@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench import harness
-from tests.bench.__main__ import table
+from tests.bench.__main__ import ceiling_report, table
 
 pytestmark = pytest.mark.bench
 
@@ -40,6 +40,22 @@ def test_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     for point in results["scale"]["points"]:
         assert len(point["filled"]) == len(point["empty"]) == 1
     assert len(results["bulk"]["enqueue_many"]) >= 3
+
+
+def test_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same drain on pgbroker's schema and on a bare table: every task still runs once."""
+    opts = harness.Options(n=int(os.environ.get("PGBROKER_BENCH_N", "2000")), rounds=1,
+                           latency_samples=50, sections=("ceiling",))
+    results = harness.run(opts, str(tmp_path))
+    assert not results.get("failed"), results["failed"]
+    report = ceiling_report(results["ceiling"])
+    with capsys.disabled():
+        print("\n" + report)
+    runs = results["ceiling"]["runs"]
+    assert {"pgbroker", "pgbroker_bare"} <= set(runs)
+    for broker, measured in runs.items():
+        assert [r["lost_or_duplicated"] for r in measured] == [0], (broker, measured)
+    assert "| drain, tasks/s | " in report
 
 
 @pytest.mark.slow
