@@ -224,7 +224,7 @@ def ceiling_report(ceiling: dict[str, Any]) -> str:
             f"{r:.2f} ({LABELS[peer]})" if r is not None else "—" for r in ratios) + " |")
     rounds = len(runs["pgbroker"])
     return (f"Ceiling ({rounds} round(s); bare = UNLOGGED jobs, no CHECK constraints, only the "
-            "indexes the claim and ack read; the ratio columns are medians of each round's own "
+            "indexes a consumer reads; the ratio columns are medians of each round's own "
             "ratio):\n\n" + "\n".join(lines))
 
 

@@ -636,9 +636,9 @@ def run_scale(opts: Options, log_dir: str) -> dict[str, Any]:
 # -- the ceiling: the same drain with the database's durable work taken away ---------------------
 
 #: What "bare" takes away from pgbroker's schema: the WAL (UNLOGGED: a crash empties the table),
-#: the CHECK constraints, and every index the claim and ack do not read. Never a configuration
-#: to run: it only measures how much of the distance to RabbitMQ is the database's durable
-#: bookkeeping and how much is the client-server round trip itself.
+#: the CHECK constraints, and every index a consumer does not read (claim, ack, promote, lease
+#: sweep). Never a configuration to run: it only measures how much of the distance to RabbitMQ
+#: is the database's durable bookkeeping and how much is the client-server round trip itself.
 BARE_SQL = ("ALTER TABLE pgbroker.jobs SET UNLOGGED",
             *(f"ALTER TABLE pgbroker.jobs DROP CONSTRAINT {name}" for name in (
                 "jobs_state_check", "jobs_attempts_check", "jobs_max_attempts_check",
@@ -662,7 +662,7 @@ def run_ceiling(db_url: str, opts: Options, log_dir: str) -> dict[str, Any]:
                                    label="pgbroker, bare table", url="pgbroker+" + bare_url)
         chosen = [(known["pgbroker"], db_url), (bare, bare_url)]
         chosen += [(known[k], db_url) for k in ("rabbitmq", "redis")
-                   if known[k].unavailable(db_url) is None]
+                   if k in opts.brokers and known[k].unavailable(db_url) is None]
         runs: dict[str, list[dict[str, Any]]] = {b.key: [] for b, _ in chosen}
         try:
             for round_ in range(opts.rounds):
