@@ -210,7 +210,7 @@ def ceiling_report(ceiling: dict[str, Any]) -> str:
     each round's own ratio (pgbroker and bare against RabbitMQ for the drain and the latency,
     against Redis for the publish, as the goals are set)."""
     runs = ceiling["runs"]
-    labels = {**LABELS, "pgbroker_bare": "pgbroker, bare table"}
+    labels = {**LABELS, "pgbroker_bare": harness.BARE_LABEL}
     columns = [(k, labels[k]) for k in ("pgbroker", "pgbroker_bare", "rabbitmq", "redis")
                if k in runs]
     peers = {"publish": "redis", "drain": "rabbitmq", "p50_ms": "rabbitmq", "p99_ms": "rabbitmq"}

@@ -648,6 +648,9 @@ BARE_SQL = ("ALTER TABLE pgbroker.jobs SET UNLOGGED",
                 "jobs_task_delivery_idx", "jobs_dead_idx")))
 
 
+BARE_LABEL = "pgbroker, bare table"
+
+
 def run_ceiling(db_url: str, opts: Options, log_dir: str) -> dict[str, Any]:
     """pgbroker, pgbroker on a bare ``jobs`` table (``BARE_SQL``), RabbitMQ and Redis, acks late,
     prefetch x1, interleaved; each round's ratios are taken within the round (the machine's
@@ -659,7 +662,7 @@ def run_ceiling(db_url: str, opts: Options, log_dir: str) -> dict[str, Any]:
         for statement in BARE_SQL:
             execute(bare_url, statement)
         bare = dataclasses.replace(known["pgbroker"], key="pgbroker_bare",
-                                   label="pgbroker, bare table", url="pgbroker+" + bare_url)
+                                   label=BARE_LABEL, url="pgbroker+" + bare_url)
         chosen = [(known["pgbroker"], db_url), (bare, bare_url)]
         chosen += [(known[k], db_url) for k in ("rabbitmq", "redis")
                    if k in opts.brokers and known[k].unavailable(db_url) is None]
