@@ -11,7 +11,8 @@ user as the actor.
 
 Exit status: 0 done; 1 the database cannot be reached or its schema is not migrated; 2 a usage
 error or an action that cannot be done as asked (a malformed or unknown job id, an unknown queue,
-a job in the wrong state) -- with the reason on stderr and nothing changed.
+a job in the wrong state) -- with the reason on stderr and nothing changed. ``health`` adds 3
+(stale) and 4 (missing): see :mod:`pgbroker.health`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import errno
 import json
 import os
 import signal
+import socket
 import sys
+import uuid
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import closing
@@ -45,7 +48,8 @@ EXIT_USAGE = 2
 _DESCRIPTION = """\
 Operate a pgbroker queue: inspect jobs, handle dead letters, pause queues, sweep, serve the admin
 page and Prometheus metrics. Exit status: 0 done, 1 database unreachable or schema not migrated,
-2 usage error or an action that cannot be done (bad id, unknown queue, job in the wrong state)."""
+2 usage error or an action that cannot be done (bad id, unknown queue, job in the wrong state);
+health: 3 stale, 4 missing."""
 
 
 # -- output helpers ------------------------------------------------------------------------------
@@ -382,6 +386,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              "choose another port with --port (--port 0: any free one)") from exc
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """One check, one line of JSON on stdout, its exit status (also when it cannot check)."""
+    from . import health
+
+    try:
+        with closing(_connect(args)) as conn:
+            if args.health_command == "worker":
+                host = (args.node.rpartition("@")[2] if args.node else args.host
+                        or (None if args.consumer else socket.gethostname()))
+                verdict = health.worker(conn, args.schema, host=host, pid=args.pid,
+                                        consumer=args.consumer, lease_timeout=args.lease_timeout)
+            elif args.health_command == "queue":
+                verdict = health.queue(conn, args.schema, args.queue,
+                                       max_pending_age=args.max_pending_age,
+                                       min_consumers=args.min_consumers,
+                                       lease_timeout=args.lease_timeout)
+            else:
+                verdict = health.beat(conn, args.schema, tuple(args.entry), grace=args.grace)
+    except PgBrokerError as exc:
+        print(json.dumps({"check": args.health_command, "status": "error", "reason": str(exc)}),
+              flush=True)
+        raise
+    print(verdict.as_json(), flush=True)
+    return verdict.exit_code
+
+
+def _consumer_id(value: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a consumer id (a UUID): {value!r}") from None
+
+
 # -- parser --------------------------------------------------------------------------------------
 
 def _common(suppress: bool) -> argparse.ArgumentParser:
@@ -517,6 +554,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between live updates of the overview (default: 3)")
     p.add_argument("--threads", type=int, default=4, help="request threads (default: 4)")
     window_options(p)
+
+    text = ("Health checks for probes and monitors, one line of JSON each. Exit status: 0 ok, "
+            "3 stale (there but late), 4 missing (nothing to check), 1 the database cannot be "
+            "read.")
+    checks = sub.add_parser("health", help=text.split(",")[0] + ".", description=text,
+                            parents=[common])
+    checks_sub = checks.add_subparsers(dest="health_command", metavar="CHECK", required=True)
+    p = command("worker", cmd_health, "Liveness of a worker: a consumer of this host (or of "
+                "--host, --pid, --node, --consumer) with a heartbeat within the lease and its "
+                "database session alive.", checks_sub)
+    p.add_argument("--host", help="the worker's host name (default: this host's, "
+                   f"{socket.gethostname()!r}, unless --consumer is given)")
+    p.add_argument("--pid", type=int, help="the worker's main process id (default: any)")
+    p.add_argument("--node", metavar="NAME@HOST", help="a Celery node name: its host is "
+                   "checked (the name before @ is not stored: any worker of that host counts)")
+    p.add_argument("--consumer", type=_consumer_id, metavar="ID",
+                   help="one consumer id (pgbroker.consumers.id), on any host")
+    lease_option(p, "a heartbeat older than this is stale")
+    p = command("queue", cmd_health, "Readiness of a queue: consumers alive, and its oldest due "
+                "job waiting no longer than --max-pending-age.", checks_sub)
+    p.add_argument("queue", metavar="QUEUE")
+    p.add_argument("--max-pending-age", type=float, default=300.0, metavar="SECONDS",
+                   help="stale when the oldest due job waited longer (default: 300)")
+    p.add_argument("--min-consumers", type=int, default=1, metavar="N",
+                   help="missing when fewer consumers are alive (default: 1; 0: do not check)")
+    lease_option(p, "a consumer without a heartbeat for this long is not alive")
+    p = command("beat", cmd_health, "Beat's entries: each has completed a run since its latest "
+                "occurrence older than --grace (every 60 s with 60 s of grace: a run within the "
+                "last 60 to 120 s).", checks_sub)
+    p.add_argument("--entry", action="append", default=[], metavar="NAME",
+                   help="check this entry only (repeatable; default: every enabled entry); "
+                        "missing when it is unknown or disabled")
+    p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
+                   help="how late a run may complete after its occurrence (default: 60)")
 
     # `schedule list|add|enable|disable|delete` belongs to pgbroker.beat, which adds it here.
     try:
