@@ -92,7 +92,8 @@ def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
 
 COMMANDS = [["migrate"], ["stats"], ["jobs", "list"], ["jobs", "show"], ["dead", "list"],
             ["dead", "retry"], ["dead", "discard"], ["cancel"], ["purge"], ["pause"],
-            ["resume"], ["audit"], ["sweep"], ["serve"]]
+            ["resume"], ["audit"], ["sweep"], ["serve"], ["health", "worker"],
+            ["health", "queue"], ["health", "beat"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
