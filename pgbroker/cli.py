@@ -25,20 +25,23 @@ import os
 import signal
 import socket
 import sys
-import uuid
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from datetime import datetime
 from typing import Any
 
 import psycopg
+from celery.app.utils import find_app
+from kombu.transport import resolve_transport
 
-from . import _db
+from . import _db, health
 from ._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from .errors import ConfigurationError, DatabaseUnavailable, PgBrokerError, SchemaError
 from .ops import DEFAULT_BATCH_SIZE, JOB_STATES, OperationError, Operations, body_text, os_user
 from .settings import Settings
+from .transport import Transport
 
 __all__ = ["main", "build_parser"]
 
@@ -115,10 +118,8 @@ def target(args: argparse.Namespace) -> Target:
     """Where ``args`` point: ``--database-url``, else ``-A``'s broker, else
     ``PGBROKER_DATABASE_URL``, else the local server (never an embedded one: the CLI reads
     an existing database, it must not make an empty one)."""
-    settings, app = Settings(), None
-    if args.app:
-        app = _app_broker(args.app)
-        settings = app[2]
+    app = _app_broker(args.app) if args.app else None
+    settings = app[2] if app is not None else Settings()
     env_url = os.environ.get(ENV_DATABASE_URL, "").strip()
     if args.database_url:
         url, source = _db.libpq_url(args.database_url), "from --database-url"
@@ -139,11 +140,6 @@ def target(args: argparse.Namespace) -> Target:
 def _app_broker(name: str) -> tuple[str, str, Settings]:
     """(conninfo, the URL shown with its password masked, settings) of the broker of the Celery
     app ``name`` (``proj``, ``proj.celery:app``), like ``celery -A``; it must be pgbroker."""
-    from celery.app.utils import find_app
-    from kombu.transport import resolve_transport
-
-    from .transport import Transport
-
     try:
         app = find_app(name)  # imports from the current directory, as celery -A does
     except Exception as exc:  # noqa: BLE001 - an import error, a syntax error, a bad name
@@ -388,8 +384,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """One check, one line of JSON on stdout, its exit status (also when it cannot check)."""
-    from . import health
-
     try:
         with closing(_connect(args)) as conn:
             if args.health_command == "worker":
