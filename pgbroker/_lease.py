@@ -68,7 +68,6 @@ class Lease:
         if self.settings.use_advisory_locks:
             self._lock_key = self._take_lock(conn)
         self._store.register_consumer(self.id, self._queues(), self._lock_key)
-        _warn_without_autovacuum(self._store)
 
     def _take_lock(self, conn: psycopg.Connection[Any]) -> int:
         with _db.translate_errors("taking the consumer lock"):
@@ -122,25 +121,3 @@ class Lease:
                 logger.debug("pgbroker lease %s: unregister failed: %s", self.id, exc)
         self._store.close()
 
-
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn_without_autovacuum(store: Store) -> None:
-    """Once per process and schema: say so when nothing will vacuum ``jobs``."""
-    key = (store.conninfo, store.settings.schema)
-    if key in _warned:
-        return
-    _warned.add(key)
-    try:
-        on = store.autovacuum_on()
-    except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the consumer
-        logger.debug("pgbroker: cannot tell whether autovacuum runs: %s", exc)
-        return
-    if not on:
-        table = f"{store.settings.schema}.jobs"
-        logger.warning(
-            "pgbroker: autovacuum is off for %s. Every task leaves dead row versions behind that "
-            "only VACUUM removes, and claims slow down as they pile up. Turn autovacuum on, or "
-            "run 'VACUUM %s' every minute or so (docs/operations.md, \"Vacuum\").",
-            table, table)

@@ -1,32 +1,47 @@
 """``pgbroker``: the operator's command line (also ``python -m pgbroker``).
 
-Every command takes ``--database-url`` (default: ``PGBROKER_DATABASE_URL``, else the local
-server, see :mod:`pgbroker._localdb`) and ``--schema`` (default ``pgbroker``). Actions are audited
-with the operating-system user as the actor.
+Every command takes ``--database-url``, ``--schema`` and ``-A``/``--app`` (a Celery app, as in
+``celery -A proj``: its ``broker_url`` and ``broker_transport_options`` give the database, the
+schema and the defaults of ``--lease-timeout``, ``--retention`` and ``--interval``). The database
+is the first of ``--database-url``, the app's broker, ``PGBROKER_DATABASE_URL``, and
+``postgresql://postgres@127.0.0.1:5432/postgres``; the schema the first of ``--schema``, the app's
+``schema`` option and ``pgbroker``. Every command says on stderr which database and schema it
+uses (password masked), so stdout stays parseable. Actions are audited with the operating-system
+user as the actor.
 
 Exit status: 0 done; 1 the database cannot be reached or its schema is not migrated; 2 a usage
 error or an action that cannot be done as asked (a malformed or unknown job id, an unknown queue,
-a job in the wrong state) -- with the reason on stderr and nothing changed.
+a job in the wrong state) -- with the reason on stderr and nothing changed. ``health`` adds 3
+(stale) and 4 (missing): see :mod:`pgbroker.health`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import json
+import os
 import signal
+import socket
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from datetime import datetime
 from typing import Any
 
 import psycopg
+from celery.app.utils import find_app
+from kombu.transport import resolve_transport
 
-from . import _db
+from . import _db, health
+from ._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from .errors import ConfigurationError, DatabaseUnavailable, PgBrokerError, SchemaError
 from .ops import DEFAULT_BATCH_SIZE, JOB_STATES, OperationError, Operations, body_text, os_user
 from .settings import Settings
+from .transport import Transport
 
 __all__ = ["main", "build_parser"]
 
@@ -36,7 +51,8 @@ EXIT_USAGE = 2
 _DESCRIPTION = """\
 Operate a pgbroker queue: inspect jobs, handle dead letters, pause queues, sweep, serve the admin
 page and Prometheus metrics. Exit status: 0 done, 1 database unreachable or schema not migrated,
-2 usage error or an action that cannot be done (bad id, unknown queue, job in the wrong state)."""
+2 usage error or an action that cannot be done (bad id, unknown queue, job in the wrong state);
+health: 3 stale, 4 missing."""
 
 
 # -- output helpers ------------------------------------------------------------------------------
@@ -82,14 +98,73 @@ def _progress(verb: str) -> Callable[[int, int], None]:
     return report
 
 
-# -- connection ----------------------------------------------------------------------------------
+# -- which database ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The database and schema a command works on, and where they came from."""
+
+    url: str               # a libpq URL or key=value conninfo
+    shown: str             # the same, password masked
+    schema: str
+    source: str            # "from --database-url", ...
+    settings: Settings     # the app's transport options (-A), else the defaults
+
+    def describe(self) -> str:
+        return f"pgbroker: database {self.shown}, schema {self.schema} ({self.source})"
+
+
+def target(args: argparse.Namespace) -> Target:
+    """Where ``args`` point: ``--database-url``, else ``-A``'s broker, else
+    ``PGBROKER_DATABASE_URL``, else the local server (never an embedded one: the CLI reads
+    an existing database, it must not make an empty one)."""
+    app = _app_broker(args.app) if args.app else None
+    settings = app[2] if app is not None else Settings()
+    env_url = os.environ.get(ENV_DATABASE_URL, "").strip()
+    if args.database_url:
+        url, source = _db.libpq_url(args.database_url), "from --database-url"
+        shown = _db.mask_password(url)
+    elif app is not None:
+        url, shown, _ = app
+        source = f"from the Celery app {args.app}"
+    elif env_url:
+        url, source = _db.libpq_url(env_url), f"from {ENV_DATABASE_URL}"
+        shown = _db.mask_password(url)
+    else:
+        url = shown = DEFAULT_LOCAL_URL
+        source = f"the default: no --database-url, -A or {ENV_DATABASE_URL}"
+    schema = Settings(schema=args.schema).schema if args.schema else settings.schema
+    return Target(url, shown, schema, source, settings)
+
+
+def _app_broker(name: str) -> tuple[str, str, Settings]:
+    """(conninfo, the URL shown with its password masked, settings) of the broker of the Celery
+    app ``name`` (``proj``, ``proj.celery:app``), like ``celery -A``; it must be pgbroker."""
+    try:
+        app = find_app(name)  # imports from the current directory, as celery -A does
+    except Exception as exc:  # noqa: BLE001 - an import error, a syntax error, a bad name
+        raise ConfigurationError(f"cannot load the Celery app {name!r}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    url = str(app.conf.broker_write_url or app.conf.broker_url or "amqp://")
+    scheme = url.partition("://")[0].partition("+")[0]  # pgbroker+postgresql:// -> pgbroker
+    try:
+        transport_cls = resolve_transport(scheme)
+    except Exception:  # noqa: BLE001 - KeyError for a name kombu does not know
+        transport_cls = None
+    if not (isinstance(transport_cls, type) and issubclass(transport_cls, Transport)):
+        raise ConfigurationError(f"the Celery app {name!r} uses the {scheme!r} broker, not "
+                                 "pgbroker (broker_url = 'pgbroker://user@host/db')")
+    try:
+        conn = app.connection_for_write()  # no I/O: kombu parses the URL
+    except Exception as exc:  # noqa: BLE001 - a malformed URL
+        raise ConfigurationError(f"the Celery app {name!r} has an unusable broker_url: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    transport = conn.transport  # no I/O either; as_uri masks the password
+    return transport.conninfo, _db.libpq_url(conn.as_uri()), transport.settings
+
 
 def _url(args: argparse.Namespace) -> str:
-    if args.database_url:
-        return _db.libpq_url(args.database_url)
-    from ._localdb import resolve_database_url
-
-    return resolve_database_url("pgbroker cli")
+    return args.database.url
 
 
 def _connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
@@ -294,23 +369,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .admin import serve
     except ImportError as exc:
-        raise ConfigurationError(f"the admin page needs its extra: pip install "
-                                 f"'pgbroker[admin]' ({exc})") from exc
-    return serve(_url(args), args.schema, host=args.host, port=args.port, refresh=args.refresh,
-                 window=args.window, lease_timeout=args.lease_timeout, threads=args.threads)
+        raise ConfigurationError(f"the admin page needs the admin extra: pip install "
+                                 f"'/path/to/pgbroker[admin]' ({exc})") from exc
+    try:
+        return serve(_url(args), args.schema, host=args.host, port=args.port,
+                     refresh=args.refresh, window=args.window,
+                     lease_timeout=args.lease_timeout, threads=args.threads)
+    except OSError as exc:  # binding the listening socket (waitress.create_server)
+        if exc.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            raise
+        raise OperationError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}; "
+                             "choose another port with --port (--port 0: any free one)") from exc
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """One check, one line of JSON on stdout, its exit status (also when it cannot check)."""
+    try:
+        with closing(_connect(args)) as conn:
+            if args.health_command == "worker":
+                host = (args.node.rpartition("@")[2] if args.node else args.host
+                        or (None if args.consumer else socket.gethostname()))
+                verdict = health.worker(conn, args.schema, host=host, pid=args.pid,
+                                        consumer=args.consumer, lease_timeout=args.lease_timeout)
+            elif args.health_command == "queue":
+                verdict = health.queue(conn, args.schema, args.queue,
+                                       max_pending_age=args.max_pending_age,
+                                       min_consumers=args.min_consumers,
+                                       lease_timeout=args.lease_timeout)
+            else:
+                verdict = health.beat(conn, args.schema, tuple(args.entry), grace=args.grace)
+    except PgBrokerError as exc:
+        print(json.dumps({"check": args.health_command, "status": "error", "reason": str(exc)}),
+              flush=True)
+        raise
+    print(verdict.as_json(), flush=True)
+    return verdict.exit_code
+
+
+def _consumer_id(value: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a consumer id (a UUID): {value!r}") from None
 
 
 # -- parser --------------------------------------------------------------------------------------
 
 def _common(suppress: bool) -> argparse.ArgumentParser:
-    """--database-url/--schema, accepted before and after the command name."""
+    """--database-url/--schema/-A, accepted before and after the command name."""
     p = argparse.ArgumentParser(add_help=False)
     default: Any = argparse.SUPPRESS if suppress else None
     p.add_argument("--database-url", metavar="URL", default=default,
-                   help="PostgreSQL URL (postgresql://, pgbroker://); default: "
-                        "$PGBROKER_DATABASE_URL, else postgresql://postgres@127.0.0.1:5432/postgres")
-    p.add_argument("--schema", metavar="NAME", default=argparse.SUPPRESS if suppress
-                   else "pgbroker", help="pgbroker's schema (default: pgbroker)")
+                   help="PostgreSQL URL (postgresql://, pgbroker://); default: the -A app's "
+                        f"broker, else ${ENV_DATABASE_URL}, else {DEFAULT_LOCAL_URL}")
+    p.add_argument("--schema", metavar="NAME", default=default,
+                   help="pgbroker's schema (default: the -A app's schema option, else pgbroker)")
+    p.add_argument("-A", "--app", metavar="APP", default=default,
+                   help="a Celery app, as in celery -A (proj, proj.celery:app): its broker_url "
+                        "and broker_transport_options give the database, the schema and the "
+                        "defaults of --lease-timeout, --retention and --interval")
     return p
 
 
@@ -327,14 +444,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    d = Settings()
+
     def window_options(p: argparse.ArgumentParser) -> None:
-        d = Settings()
-        p.add_argument("--window", type=float, default=d.retention, metavar="SECONDS",
+        p.add_argument("--window", type=float, metavar="SECONDS",
                        help="count completed/cancelled/expired jobs finished this recently "
-                            f"(default: {d.retention:g}, the default retention)")
-        p.add_argument("--lease-timeout", type=float, default=d.lease_timeout,
-                       metavar="SECONDS", help="a consumer without a heartbeat for this long is "
-                       f"not counted as alive (default: {d.lease_timeout:g})")
+                            f"(default: the retention, {d.retention:g})")
+        lease_option(p, "a consumer without a heartbeat for this long is not counted as alive")
+
+    def lease_option(p: argparse.ArgumentParser, text: str) -> None:
+        p.add_argument("--lease-timeout", type=float, metavar="SECONDS",
+                       help=f"{text} (default: the lease_timeout option, {d.lease_timeout:g})")
 
     command("migrate", cmd_migrate, "Create or upgrade pgbroker's schema (safe to run from "
             "several hosts at once: an advisory lock serialises it).")
@@ -406,19 +526,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, help="at most this many (default: 50)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
-    d = Settings()
     p = command("sweep", cmd_sweep, "Maintenance pass: redeliver the running jobs of lost "
                 "consumers, expire, promote due scheduled jobs, prune finished rows past the "
                 "retention. Workers do this themselves; run it when no worker is running.")
     p.add_argument("--loop", action="store_true", help="keep sweeping until interrupted")
-    p.add_argument("--interval", type=float, default=d.sweep_interval, metavar="SECONDS",
-                   help=f"seconds between passes with --loop (default: {d.sweep_interval:g})")
-    p.add_argument("--retention", type=float, default=d.retention, metavar="SECONDS",
-                   help="keep finished jobs this long: use your workers' setting "
-                        f"(default: {d.retention:g})")
-    p.add_argument("--lease-timeout", type=float, default=d.lease_timeout, metavar="SECONDS",
-                   help="a consumer silent this long is lost: use your workers' setting "
-                        f"(default: {d.lease_timeout:g})")
+    p.add_argument("--interval", type=float, metavar="SECONDS",
+                   help="seconds between passes with --loop (default: the sweep_interval "
+                        f"option, {d.sweep_interval:g})")
+    p.add_argument("--retention", type=float, metavar="SECONDS",
+                   help="keep finished jobs this long: your workers' setting (default: the "
+                        f"retention option, {d.retention:g})")
+    lease_option(p, "a consumer silent this long is lost: your workers' setting")
 
     p = command("serve", cmd_serve, "Serve the admin page and Prometheus metrics (/metrics). "
                 "Needs PGBROKER_ADMIN_USER and PGBROKER_ADMIN_PASSWORD, or PGBROKER_ADMIN_TOKEN; "
@@ -431,6 +549,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=4, help="request threads (default: 4)")
     window_options(p)
 
+    text = ("Health checks for probes and monitors, one line of JSON each. Exit status: 0 ok, "
+            "3 stale (there but late), 4 missing (nothing to check), 1 the database cannot be "
+            "read.")
+    checks = sub.add_parser("health", help=text.split(",")[0] + ".", description=text,
+                            parents=[common])
+    checks_sub = checks.add_subparsers(dest="health_command", metavar="CHECK", required=True)
+    p = command("worker", cmd_health, "Liveness of a worker: a consumer of this host (or of "
+                "--host, --pid, --node, --consumer) with a heartbeat within the lease and its "
+                "database session alive.", checks_sub)
+    p.add_argument("--host", help="the worker's host name (default: this host's, "
+                   f"{socket.gethostname()!r}, unless --consumer is given)")
+    p.add_argument("--pid", type=int, help="the worker's main process id (default: any)")
+    p.add_argument("--node", metavar="NAME@HOST", help="a Celery node name: its host is "
+                   "checked (the name before @ is not stored: any worker of that host counts)")
+    p.add_argument("--consumer", type=_consumer_id, metavar="ID",
+                   help="one consumer id (pgbroker.consumers.id), on any host")
+    lease_option(p, "a heartbeat older than this is stale")
+    p = command("queue", cmd_health, "Readiness of a queue: consumers alive, and its oldest due "
+                "job waiting no longer than --max-pending-age.", checks_sub)
+    p.add_argument("queue", metavar="QUEUE")
+    p.add_argument("--max-pending-age", type=float, default=300.0, metavar="SECONDS",
+                   help="stale when the oldest due job waited longer (default: 300)")
+    p.add_argument("--min-consumers", type=int, default=1, metavar="N",
+                   help="missing when fewer consumers are alive (default: 1; 0: do not check)")
+    lease_option(p, "a consumer without a heartbeat for this long is not alive")
+    p = command("beat", cmd_health, "Beat's entries: each has completed a run since its latest "
+                "occurrence older than --grace (every 60 s with 60 s of grace: a run within the "
+                "last 60 to 120 s).", checks_sub)
+    p.add_argument("--entry", action="append", default=[], metavar="NAME",
+                   help="check this entry only (repeatable; default: every enabled entry); "
+                        "missing when it is unknown or disabled")
+    p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
+                   help="how late a run may complete after its occurrence (default: 60)")
+
     # `schedule list|add|enable|disable|delete` belongs to pgbroker.beat, which adds it here.
     try:
         from .beat import register_cli
@@ -441,11 +593,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Options whose default is a transport option (the -A app's, else pgbroker's default).
+_FROM_SETTINGS = {"window": "retention", "retention": "retention",
+                  "lease_timeout": "lease_timeout", "interval": "sweep_interval"}
+
+
+def _fill_defaults(args: argparse.Namespace, settings: Settings) -> None:
+    for option, name in _FROM_SETTINGS.items():
+        if getattr(args, option, False) is None:
+            setattr(args, option, getattr(settings, name))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        args.database = target(args)
+        args.schema = args.database.schema
+        _fill_defaults(args, args.database.settings)
+        print(args.database.describe(), file=sys.stderr, flush=True)
         return args.func(args) or 0
     except (OperationError, ConfigurationError, ValueError) as exc:
         print(f"pgbroker: error: {exc}", file=sys.stderr)

@@ -68,9 +68,11 @@ class Sweeper:
         broadcasts = self.store.prune_broadcasts()
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
                              broadcasts)
-        if rescued or buried or consumers:
+        if rescued or buried:
             logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
                            "%d consumer(s) removed", rescued, buried, consumers)
         elif result:
+            # Forgetting consumers that held no job is routine: every `celery inspect` or
+            # `celery status` leaves one behind when it exits without closing its connection.
             logger.debug("pgbroker sweeper: %s", result)
         return result

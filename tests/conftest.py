@@ -102,6 +102,17 @@ def db_url(database_url: str, template_db: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def empty_url(database_url: str) -> Iterator[str]:
+    """URL (postgresql://) of a brand-new database with no pgbroker schema at all."""
+    name = f"pgbroker_test_empty_{os.getpid()}_{next(_counter)}"
+    _create_database(database_url, name)
+    try:
+        yield admin_url(database_url, name)
+    finally:
+        _drop_database(database_url, name)
+
+
+@pytest.fixture
 def broker_url(db_url: str) -> str:
     """The ``db_url`` database as a Celery broker URL (pgbroker+postgresql://)."""
     return "pgbroker+" + db_url

@@ -17,16 +17,23 @@ import threading
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
-from pgbroker._localdb import normalize_url, resolve_database_url
+from pgbroker import _db
+from pgbroker._db import mask_password
+from pgbroker._localdb import admin_url, normalize_url, resolve_database_url
 from pgbroker.errors import ConfigurationError, DatabaseUnavailable
 from pgbroker.migrate import apply, load
 
 from .models import SCHEMA
 
-__all__ = ["database_url", "dispose", "engine", "migrate", "resolve_url", "session"]
+__all__ = ["create_database", "database_url", "dispose", "drop_database", "engine", "migrate",
+           "resolve_url", "session"]
+
+#: The comment the demo puts on its database: only a database carrying it is ever replaced.
+DEMO_MARK = "made by python -m ticketflow demo; dropped at its end unless --keep"
 
 _engines: dict[tuple[int, str], Engine] = {}
 _lock = threading.Lock()
@@ -57,6 +64,49 @@ def resolve_url(url: str | None = None, purpose: str = "ticketflow") -> str:
         raise ConfigurationError(str(exc)) from exc
     except RuntimeError as exc:
         raise DatabaseUnavailable(str(exc)) from exc
+
+
+def create_database(server_url: str, name: str) -> str:
+    """Create the database ``name`` on the server of ``server_url`` and return its URL.
+
+    A database of that name left by an earlier run (``--keep``) is replaced; any other one of
+    that name is refused, and so is one in use (another demo running).
+
+    Raises:
+        ConfigurationError: the name is taken, or the role may not create databases.
+        DatabaseUnavailable: the server cannot be reached.
+    """
+    ident = sql.Identifier(name)
+    with _maintenance(server_url) as conn:
+        row = conn.execute("SELECT shobj_description(oid, 'pg_database') FROM pg_database"
+                           " WHERE datname = %s", (name,)).fetchone()
+        try:
+            if row is not None:
+                if row[0] != DEMO_MARK:
+                    raise ConfigurationError(f"database {name!r} exists and the demo did not "
+                                             "make it: pass --database with another name")
+                conn.execute(sql.SQL("DROP DATABASE {}").format(ident))
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(ident))
+            conn.execute(sql.SQL("COMMENT ON DATABASE {} IS {}").format(ident,
+                                                                       sql.Literal(DEMO_MARK)))
+        except psycopg.errors.ObjectInUse:
+            raise ConfigurationError(f"database {name!r} is in use (another demo running?): "
+                                     "stop it, or pass --database with another name") from None
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise ConfigurationError(f"cannot create database {name!r} on "
+                                     f"{mask_password(server_url)}: {exc}".strip()) from None
+    return admin_url(server_url, name)
+
+
+def drop_database(server_url: str, name: str) -> None:
+    """Drop the demo's database ``name`` (its sessions are ended: PostgreSQL 13+)."""
+    with _maintenance(server_url) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+
+def _maintenance(server_url: str) -> psycopg.Connection[Any]:
+    return _db.connect(server_url, application_name="ticketflow demo")  # DatabaseUnavailable
 
 
 def engine(url: str | None = None) -> Engine:

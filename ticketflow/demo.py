@@ -3,7 +3,8 @@
 What it does, in order:
 
 1. finds PostgreSQL (``PGBROKER_DATABASE_URL``, else 127.0.0.1:5432, else an embedded server it
-   starts and stops) and migrates pgbroker's schema and ticketflow's;
+   starts and stops), creates a database of its own there (``--database``, default
+   ``ticketflow_demo``) and migrates pgbroker's schema and ticketflow's into it;
 2. starts ``celery -A ticketflow worker -Q default,email`` and ``celery -A ticketflow beat`` as
    child processes, handing them the database URL (their logs go to files);
 3. creates an event and a few hundred reservations, in waves: most are confirmed (an e-mail job
@@ -15,7 +16,8 @@ What it does, in order:
    ``/metrics``);
 5. stops everything cleanly on Ctrl-C (or SIGTERM): SIGTERM to the worker and beat -- Celery's
    warm shutdown, where running tasks finish (SIGINT would do the same, but the worker then exits
-   with status 1) --, a wait, then SIGKILL for whatever is left.
+   with status 1) --, a wait, then SIGKILL for whatever is left; then drops its database, unless
+   ``--keep`` (the next run replaces a kept one).
 
 ``--short`` shortens holds, the expiry interval and the PDF renders, and exits by itself (status
 0) once every reservation reached a final state, after printing the final counts; the tests run
@@ -33,6 +35,7 @@ import dataclasses
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,7 +257,9 @@ SELECT
     (SELECT count(*) FROM ticketflow.tickets AS t
      JOIN ticketflow.reservations AS r ON r.id = t.reservation_id
      WHERE r.event_id = :event) AS tickets,
-    (SELECT seats_taken FROM ticketflow.events WHERE id = :event) AS seats_taken
+    -- the seats held or confirmed reservations take (expired ones gave theirs back)
+    (SELECT seats_taken FROM ticketflow.events WHERE id = :event) AS seats_taken,
+    (SELECT capacity FROM ticketflow.events WHERE id = :event) AS capacity
 """
 
 _DEAD = """
@@ -277,6 +282,7 @@ class Counts:
     emails: int
     tickets: int
     seats_taken: int
+    capacity: int
 
     def done(self, plan: Plan) -> bool:
         """Every reservation of the plan exists and is final, with all its side effects."""
@@ -290,8 +296,9 @@ class Counts:
         jobs = "  ".join(f"{s} {self.jobs[s]}" for s in JOB_STATES if self.jobs.get(s))
         return [
             (f"  reservations  {sum(r.values()):>4}   held {r.get('held', 0)}  "
-             f"confirmed {r.get('confirmed', 0)}  expired {r.get('expired', 0)}  "
-             f"(seats taken {self.seats_taken})"),
+             f"confirmed {r.get('confirmed', 0)}  expired {r.get('expired', 0)}"),
+            (f"  seats         {self.seats_taken:>4}   of {self.capacity} taken, 1 to 3 per "
+             "held or confirmed reservation; expired holds gave theirs back"),
             f"  e-mails sent  {self.emails:>4}",
             (f"  payments      {sum(p.values()):>4}   pending {p.get('pending', 0)}  "
              f"succeeded {p.get('succeeded', 0)}  failed {p.get('failed', 0)}  "
@@ -358,15 +365,42 @@ class Display:
 
 # -- the run -------------------------------------------------------------------------------------
 
-def _look_here(url: str, from_env: bool) -> list[str]:
-    flag = "" if from_env or url == DEFAULT_LOCAL_URL else f" --database-url {shlex.quote(url)}"
-    return [
-        "Where to look while it runs (in another terminal):",
-        f"  pgbroker stats{flag}                 queues: pending, running, dead, oldest age",
-        f"  pgbroker dead list{flag}             the dead letters and their errors",
-        (f"  pgbroker serve{flag}                 admin page on http://127.0.0.1:8025/ "
-         "(Prometheus metrics: http://127.0.0.1:8025/metrics)"),
+def _look_here(url: str) -> list[str]:
+    cmd = pgbroker_command()
+    flag = f"--database-url {shlex.quote(url)}"
+    lines = [
+        "Where to look while it runs (in another terminal, in this directory):",
+        f"  {cmd} stats {flag}   queues: pending, running, dead, oldest age",
+        f"  {cmd} dead list {flag}   the dead letters and their errors",
+        (f"  {cmd} serve {flag}   admin page on http://127.0.0.1:8025/ (log in with the "
+         "one-time token it prints; Prometheus metrics: /metrics)"),
     ]
+    if cmd != "pgbroker":
+        lines.append(f"  ({cmd} because pgbroker is not on PATH: "
+                     f"'source {shlex.quote(_relative(Path(sys.executable).parent))}/activate' "
+                     "makes it so)")
+    return lines
+
+
+def pgbroker_command() -> str:
+    """How to run this environment's ``pgbroker`` from the current directory: ``pgbroker`` when
+    it is the one on PATH (an activated venv), else its path (``.venv/bin/pgbroker``: the
+    README's commands never activate the venv), else ``python -m pgbroker``."""
+    script = Path(sys.executable).parent / "pgbroker"  # not resolved: the venv's bin
+    found = shutil.which("pgbroker")
+    if found and script.exists() and Path(found).resolve() == script.resolve():
+        return "pgbroker"
+    if script.exists():
+        return shlex.quote(_relative(script))
+    return f"{shlex.quote(sys.executable)} -m pgbroker"
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the current directory when it is below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _create(session: Session, event_id: int, plan: Plan, people: list[Customer],
@@ -387,18 +421,35 @@ def _create(session: Session, event_id: int, plan: Plan, people: list[Customer],
         time.sleep(plan.wave_pause)
 
 
-def run(plan: Plan, *, short: bool, timeout: float, log_dir: Path | None, out: TextIO) -> int:
+def run(plan: Plan, *, short: bool, timeout: float, log_dir: Path | None, out: TextIO,
+        database: str = "ticketflow_demo", keep: bool = False) -> int:
     """The demo; returns the exit status."""
     from_env = bool(os.environ.get(ENV_DATABASE_URL, "").strip())
-    url = db.resolve_url(None, "demo")  # may start an embedded server, owned by this process
-    os.environ[ENV_DATABASE_URL] = url  # read by celeryconfig (here and in the children)
-    _config_dir()
-    if db.database_url() != url:
-        raise ConfigurationError(f"the Celery config's broker_url is not {ENV_DATABASE_URL}; "
-                                 "the demo needs both to name one database")
-    print(f"ticketflow demo{' (short)' if short else ''}: {_describe(url, from_env)}", file=out)
-    migrate_pgbroker(url)
-    db.migrate(url)
+    server = db.resolve_url(None, "demo")  # may start an embedded server, owned by this process
+    url = db.create_database(server, database)
+    try:
+        os.environ[ENV_DATABASE_URL] = url  # read by celeryconfig (here and in the children)
+        _config_dir()
+        if db.database_url() != url:
+            raise ConfigurationError(f"the Celery config's broker_url is not {ENV_DATABASE_URL};"
+                                     " the demo needs both to name one database")
+        print(f"ticketflow demo{' (short)' if short else ''}: database {database} on "
+              f"{_describe(server, from_env)}, dropped at the end unless --keep", file=out)
+        migrate_pgbroker(url)
+        db.migrate(url)
+        return _run(plan, url, short=short, timeout=timeout, log_dir=log_dir, out=out)
+    finally:
+        db.dispose()
+        if keep:
+            print(f"kept database {database}: {pgbroker_command()} stats --database-url "
+                  f"{shlex.quote(url)}", file=out, flush=True)
+        else:
+            db.drop_database(server, database)
+            print(f"dropped database {database}", file=out, flush=True)
+
+
+def _run(plan: Plan, url: str, *, short: bool, timeout: float, log_dir: Path | None,
+         out: TextIO) -> int:
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ticketflow-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -409,7 +460,7 @@ def run(plan: Plan, *, short: bool, timeout: float, log_dir: Path | None, out: T
               f"logs in {log_dir}", file=out)
         print(f"expire_reservations runs every {plan.expire_interval:g} s; holds left to "
               f"expire last {plan.hold_seconds:g} s", file=out)
-        print("\n".join(_look_here(url, from_env)), file=out)
+        print("\n".join(_look_here(url)), file=out)
         print("Press Ctrl-C to stop." if not short else
               "--short: stops by itself once every reservation is final.", file=out)
         print(file=out, flush=True)
@@ -421,7 +472,6 @@ def run(plan: Plan, *, short: bool, timeout: float, log_dir: Path | None, out: T
         return 0
     finally:
         stop_children(children, out)
-        db.dispose()
 
 
 def _watch(session: Session, plan: Plan, children: list[Child], short: bool, timeout: float,
@@ -491,14 +541,14 @@ def _summary(counts: Counts, dead: list[tuple[str, str]], elapsed: float, out: T
     out.flush()
 
 
-def _describe(url: str, from_env: bool) -> str:
+def _describe(server: str, from_env: bool) -> str:
     from pgbroker._db import mask_password
 
     if from_env:
-        return f"database {mask_password(url)} (from {ENV_DATABASE_URL})"
-    if url == DEFAULT_LOCAL_URL:
-        return f"the local server {url}"
-    return f"an embedded PostgreSQL server ({url}), stopped when the demo ends"
+        return f"the server of {ENV_DATABASE_URL} ({mask_password(server)})"
+    if server == DEFAULT_LOCAL_URL:
+        return f"the local server ({server})"
+    return f"an embedded PostgreSQL server ({server}), stopped when the demo ends"
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -514,6 +564,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", type=Path, metavar="DIR",
                         help="where the worker and beat logs go (default: a new temporary "
                              "directory, kept)")
+    parser.add_argument("--database", default="ticketflow_demo", metavar="NAME",
+                        help="the demo's own database, created on the server and dropped at "
+                             "the end (default: ticketflow_demo)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the database at the end, to look at it (the next run "
+                             "replaces it)")
 
 
 def _count(value: str) -> int:
@@ -537,7 +593,8 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     try:
-        return run(plan, short=args.short, timeout=args.timeout, log_dir=args.log_dir, out=out)
+        return run(plan, short=args.short, timeout=args.timeout, log_dir=args.log_dir, out=out,
+                   database=args.database, keep=args.keep)
     except ChildDied as exc:
         print(f"\nticketflow demo: {exc}", file=sys.stderr, flush=True)
         return 1

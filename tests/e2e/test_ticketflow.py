@@ -8,17 +8,22 @@ delays printed with ``[figure]`` are for reading (``pytest -s``), not asserted.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 from sqlalchemy.orm import Session
 
+from pgbroker._localdb import admin_url
+from tests.conftest import _drop_database
 from tests.helpers import REPO_ROOT, WorkerProcess, run_beat, run_worker, wait_for
 from tests.integration.ticketflow_support import (  # noqa: F401
     confirmed,
@@ -184,11 +189,45 @@ def run_demo(*args: str, env: dict[str, str], timeout: float = 240) -> subproces
 
 
 def demo_env(**extra: str) -> dict[str, str]:
+    """The environment of a newcomer's shell: the venv's bin is not on PATH (the README never
+    activates it)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PGBROKER_DATABASE_URL", ENV_EXPIRE_INTERVAL, tasks.ENV_PDF_SECONDS)}
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and p != venv_bin)
     return {**env, **extra}
+
+
+_names = itertools.count(1)
+
+
+@pytest.fixture
+def server_url(empty_url: str) -> str:
+    """The database PGBROKER_DATABASE_URL names for the demo: empty, and it must stay so."""
+    return empty_url
+
+
+@pytest.fixture
+def demo_db(database_url: str) -> Iterator[str]:
+    """A name for the demo's own database, dropped after the test if the demo kept it."""
+    name = f"pgbroker_test_demo_{os.getpid()}_{next(_names)}"
+    try:
+        yield name
+    finally:
+        _drop_database(database_url, name)
+
+
+def databases(server_url: str) -> set[str]:
+    with psycopg.connect(server_url) as conn:
+        return {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
+
+
+def schemas(url: str) -> set[str]:
+    with psycopg.connect(url) as conn:
+        return {r[0] for r in conn.execute("SELECT nspname FROM pg_namespace")}
 
 
 def final_counts(output: str) -> dict[str, int]:
@@ -196,7 +235,9 @@ def final_counts(output: str) -> dict[str, int]:
     assert "Final counts" in output, output
     block = output.split("Final counts", 1)[1]
     counts: dict[str, int] = {}
-    for line in block.splitlines()[1:7]:
+    for line in block.splitlines()[1:]:
+        if line.startswith("  dead letter:") or not line.startswith("  "):
+            break
         label, total, rest = re.match(r"\s+(\S+(?: \S+)?)\s+(\d+)(.*)", line).groups()
         counts[label] = int(total)
         for word, number in re.findall(r"([a-z]+(?: [a-z]+)?) (\d+)", rest):
@@ -215,29 +256,50 @@ def children_gone(output: str) -> None:
 
 
 def test_the_short_demo_runs_to_completion_and_prints_its_counts(
-        db_url: str, pg: psycopg.Connection, tmp_path: Path) -> None:
-    done = run_demo("--short", "--log-dir", str(tmp_path),
-                    env=demo_env(PGBROKER_DATABASE_URL=db_url))
+        server_url: str, demo_db: str, tmp_path: Path) -> None:
+    env = demo_env(PGBROKER_DATABASE_URL=server_url)
+    done = run_demo("--short", "--log-dir", str(tmp_path), "--database", demo_db, "--keep",
+                    env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    # its own database, kept as asked; nothing written where PGBROKER_DATABASE_URL points
+    assert {"ticketflow", "pgbroker"}.isdisjoint(schemas(server_url))
+    url = admin_url(server_url, demo_db)
+    assert f"kept database {demo_db}" in done.stdout
     counts = final_counts(done.stdout)
     # what it printed is what the database holds
-    reservations = dict(pg.execute("SELECT state, count(*) FROM ticketflow.reservations"
-                                   " GROUP BY state").fetchall())
+    with psycopg.connect(url) as pg:
+        reservations = dict(pg.execute("SELECT state, count(*) FROM ticketflow.reservations"
+                                       " GROUP BY state").fetchall())
+        seats = pg.execute("SELECT sum(seats) FILTER (WHERE state IN ('held', 'confirmed')),"
+                           " (SELECT seats_taken FROM ticketflow.events) "
+                           "FROM ticketflow.reservations").fetchone()
+        emailed = pg.execute("SELECT count(DISTINCT reservation_id) FROM ticketflow.sent_emails"
+                             ).fetchone()[0]
     assert counts["reservations"] == 200 == sum(reservations.values())
     assert counts["reservations held"] == 0 and "held" not in reservations
     assert counts["reservations expired"] == reservations["expired"] == 40
     assert counts["reservations confirmed"] == reservations["confirmed"] == 160
-    assert counts["e-mails sent"] == 160
-    assert pg.execute("SELECT count(DISTINCT reservation_id) FROM ticketflow.sent_emails"
-                      ).fetchone()[0] == 160
+    # seats: the event's counter is the seats of the reservations still holding theirs
+    assert counts["seats"] == seats[0] == seats[1] and counts["seats of"] == 600
+    assert "expired holds gave theirs back" in done.stdout
+    assert counts["e-mails sent"] == 160 == emailed
     assert counts["payments failed"] == 1 and counts["payments pending"] == 0
     assert counts["tickets"] == counts["payments succeeded"]
     assert counts["dead letters"] == 1 == counts["jobs dead"]
     assert counts["jobs retries"] > 0
     assert "dead letter: ticketflow.tasks.charge_payment: PaymentDeclined" in done.stdout
     assert "pgbroker serve" in done.stdout and "/metrics" in done.stdout
-    assert "pgbroker stats" in done.stdout
     children_gone(done.stdout)
+
+    # the "in another terminal" hint works as printed, in the same shell (no venv on PATH)
+    [hint] = [line for line in done.stdout.splitlines()
+              if " stats --database-url " in line and "queues:" in line]
+    command = hint.split("   ")[0].strip()
+    stats = subprocess.run(shlex.split(command), cwd=REPO_ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert stats.returncode == 0, (command, stats.stderr)
+    assert re.search(r"^email\s", stats.stdout, re.M), stats.stdout
+    assert f"/{demo_db}, schema pgbroker" in stats.stderr
 
 
 def as_from_a_terminal() -> None:
@@ -247,11 +309,12 @@ def as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_stops_the_demo_and_its_worker_and_beat_cleanly(
-        db_url: str, tmp_path: Path) -> None:
+def test_ctrl_c_stops_the_demo_and_its_worker_and_beat_cleanly_and_drops_its_database(
+        server_url: str, demo_db: str, tmp_path: Path) -> None:
     demo = subprocess.Popen(
-        [sys.executable, "-m", "ticketflow", "demo", "--log-dir", str(tmp_path)], cwd=REPO_ROOT,
-        env=demo_env(PGBROKER_DATABASE_URL=db_url), stdout=subprocess.PIPE,
+        [sys.executable, "-m", "ticketflow", "demo", "--log-dir", str(tmp_path), "--database",
+         demo_db], cwd=REPO_ROOT,
+        env=demo_env(PGBROKER_DATABASE_URL=server_url), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal)
     try:
         lines: list[str] = []
@@ -272,6 +335,8 @@ def test_ctrl_c_stops_the_demo_and_its_worker_and_beat_cleanly(
     assert "Ctrl-C: stopping the worker and beat" in output
     children_gone(output)
     assert "Warm shutdown" in logs["worker"].read_text()
+    assert demo_db not in databases(server_url) and f"dropped database {demo_db}" in output
+    assert {"ticketflow", "pgbroker"}.isdisjoint(schemas(server_url))
 
 
 def test_the_demo_starts_an_embedded_server_when_there_is_no_other(tmp_path: Path) -> None:

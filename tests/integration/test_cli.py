@@ -92,7 +92,8 @@ def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
 
 COMMANDS = [["migrate"], ["stats"], ["jobs", "list"], ["jobs", "show"], ["dead", "list"],
             ["dead", "retry"], ["dead", "discard"], ["cancel"], ["purge"], ["pause"],
-            ["resume"], ["audit"], ["sweep"], ["serve"]]
+            ["resume"], ["audit"], ["sweep"], ["serve"], ["health", "worker"],
+            ["health", "queue"], ["health", "beat"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -273,7 +274,7 @@ def test_dead_retry_all_in_batches_with_progress(cli: Run, pg: psycopg.Connectio
     other = add_job(pg, "dead", queue="q2")
     code, out, err = cli("dead", "retry", "--all", "--queue", "q1", "--batch-size", "2")
     assert (code, out.strip()) == (0, "retried 5 dead job(s) of queue q1")
-    assert err.splitlines() == ["retried 2 of 5", "retried 4 of 5", "retried 5 of 5"]
+    assert err.splitlines()[1:] == ["retried 2 of 5", "retried 4 of 5", "retried 5 of 5"]
     assert pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE queue = 'q1' AND state ="
                       " 'pending' AND attempts = 0").fetchone()[0] == 5
     assert state_of(pg, other) == "dead"
@@ -290,7 +291,7 @@ def test_dead_discard_one_and_all(cli: Run, pg: psycopg.Connection, queue: str) 
                                                                  "tid-1")
     code, out, err = cli("dead", "discard", "--all")
     assert (code, out.strip()) == (0, "discarded 3 dead job(s)")
-    assert err.strip() == "discarded 3 of 3"
+    assert err.splitlines()[1:] == ["discarded 3 of 3"]
     assert pg.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 0
 
 
@@ -416,6 +417,97 @@ def test_serve_refuses_a_public_address_without_credentials(
     monkeypatch.setenv("PGBROKER_ADMIN_USER", "admin")
     code, _, err = cli("serve", "--host", "0.0.0.0", "--port", "0")
     assert code == 2 and "set both PGBROKER_ADMIN_USER and PGBROKER_ADMIN_PASSWORD" in err
+
+
+# -- which database ------------------------------------------------------------------------------
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with a password in it (trust authentication ignores it)."""
+    return url.replace("postgres@", f"postgres:{password}@", 1)
+
+
+@pytest.mark.parametrize("command", [["stats", "--json"], ["dead", "list", "--json"],
+                                     ["jobs", "list", "--json"], ["audit", "--json"],
+                                     ["schedule", "list", "--json"], ["migrate"]], ids=" ".join)
+def test_every_command_says_on_stderr_which_database_it_reads(
+        command: list[str], db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    url = with_password(db_url, "s3cret")
+    assert main(["--database-url", url, *command]) == 0
+    out, err = capsys.readouterr()
+    name = db_url.rsplit("/", 1)[1]
+    assert err.splitlines()[0] == (f"pgbroker: database postgresql://postgres:**@127.0.0.1:5432/"
+                                   f"{name}, schema pgbroker (from --database-url)")
+    assert "s3cret" not in out + err
+    if "--json" in command:
+        json.loads(out)  # stdout stays parseable
+
+
+def test_the_database_from_the_environment_and_the_default_are_named(
+        db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGBROKER_DATABASE_URL", db_url)
+    assert main(["stats"]) == 0
+    assert capsys.readouterr().err.startswith(
+        f"pgbroker: database {db_url}, schema pgbroker (from PGBROKER_DATABASE_URL)\n")
+    monkeypatch.delenv("PGBROKER_DATABASE_URL")
+    main(["--schema", "nothere", "stats"])  # the server's postgres database: no such schema
+    assert capsys.readouterr().err.startswith(
+        "pgbroker: database postgresql://postgres@127.0.0.1:5432/postgres, schema nothere (the "
+        "default: no --database-url, -A or PGBROKER_DATABASE_URL)\n")
+
+
+def pgbroker_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pgbroker", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT, env={**os.environ, **env})
+
+
+def test_dash_a_takes_the_url_and_the_schema_from_the_celery_app(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    # like celery -A: tests.e2e.app reads its broker URL and transport options from these
+    env = {"PGBROKER_TEST_BROKER_URL": with_password(broker_url, "s3cret"),
+           "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps({"schema": "appschema"}),
+           "PGBROKER_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/elsewhere"}  # -A wins
+    done = pgbroker_cli("-A", "tests.e2e.app", "migrate", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("schema appschema: applied migration(s) 1,")
+    pg.execute("INSERT INTO appschema.queues (name) VALUES ('only-in-appschema')")
+    done = pgbroker_cli("stats", "-A", "tests.e2e.app", "--json", env=env)  # after the command too
+    assert done.returncode == 0, done.stderr
+    assert [q["queue"] for q in json.loads(done.stdout)["queues"]] == ["only-in-appschema"]
+    name = broker_url.rsplit("/", 1)[1]
+    assert done.stderr.splitlines()[0] == (
+        f"pgbroker: database postgresql://postgres:**@127.0.0.1:5432/{name}, schema appschema "
+        "(from the Celery app tests.e2e.app)")
+    # --schema and --database-url still win over the app
+    done = pgbroker_cli("-A", "tests.e2e.app", "--schema", "pgbroker", "stats", env=env)
+    assert done.returncode == 0 and "schema pgbroker (from the Celery app" in done.stderr
+
+
+def test_dash_a_refuses_an_app_that_does_not_use_pgbroker(tmp_path: Path) -> None:
+    (tmp_path / "redisapp.py").write_text(
+        "from celery import Celery\napp = Celery('r', broker='redis://127.0.0.1:6379/0')\n")
+    done = pgbroker_cli("-A", "redisapp", "stats", env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert done.stderr == ("pgbroker: error: the Celery app 'redisapp' uses the 'redis' broker, "
+                           "not pgbroker (broker_url = 'pgbroker://user@host/db')\n")
+    done = pgbroker_cli("-A", "no_such_module_here", "stats", env={})
+    assert done.returncode == 2 and "no_such_module_here" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line(db_url: str) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = pgbroker_cli("--database-url", db_url, "serve", "--port", str(port),
+                            env={"PGBROKER_ADMIN_TOKEN": "t0ken"})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = done.stderr.splitlines()[-1]
+    assert error.startswith(f"pgbroker: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "--port" in error
 
 
 # -- with real workers ---------------------------------------------------------------------------

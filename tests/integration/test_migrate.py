@@ -3,36 +3,19 @@ start, a schema from a newer pgbroker, auto_migrate off, and two schemas side by
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
-from pgbroker._localdb import admin_url
 from pgbroker.errors import ConfigurationError, SchemaError
 from pgbroker.migrate import MIGRATIONS, check, latest_version, migrate
-from tests.conftest import _create_database, _drop_database
 from tests.integration.transport_support import Collector, connect, jobs, publish
 
 ALL_VERSIONS = [m.version for m in MIGRATIONS]
 #: What the refusal of a newer schema must say: which versions, and what to do.
 NEWER = r"newer .*\[999\].* upgrade"
-_names = itertools.count(1)
-
-
-@pytest.fixture
-def empty_url(database_url: str) -> Iterator[str]:
-    """URL (postgresql://) of a brand-new database with no pgbroker schema at all."""
-    name = f"pgbroker_test_empty_{os.getpid()}_{next(_names)}"
-    _create_database(database_url, name)
-    try:
-        yield admin_url(database_url, name)
-    finally:
-        _drop_database(database_url, name)
 
 
 def applied(url: str, schema: str = "pgbroker") -> list[int]:

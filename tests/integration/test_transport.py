@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from psycopg import ClientCursor
 
-import pgbroker._lease
+import pgbroker._startup
 from pgbroker._store import Store, queries
 from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
 from pgbroker.sweeper import Sweeper, lock_class
@@ -528,31 +528,35 @@ def test_a_living_consumer_is_never_rescued(broker_url: str, db_url: str, pg: ps
         assert jobs(pg)[0]["state"] == "running"
 
 
-def test_a_consumer_says_once_when_nothing_vacuums_the_jobs_table(
+def test_a_worker_says_once_when_nothing_vacuums_the_jobs_table(
         broker_url: str, pg: psycopg.Connection, store: Store, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def warnings_from_two_consumers() -> int:
-        monkeypatch.setattr(pgbroker._lease, "_warned", set())
+    def warnings_from(calls: int) -> int:
+        monkeypatch.setattr(pgbroker._startup, "_warned", set())
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="pgbroker._lease"):
-            for _ in range(2):
-                with connect(broker_url) as conn:
-                    conn.ensure_connection()
-                    conn.transport.lease.ensure()
+        with caplog.at_level(logging.WARNING, logger="pgbroker"):
+            for _ in range(calls):
+                pgbroker._startup.warn_without_autovacuum(store)  # at worker_ready
         return sum("autovacuum is off for pgbroker.jobs" in r.getMessage()
                    for r in caplog.records)
 
     pg.execute("ALTER TABLE pgbroker.jobs SET (autovacuum_enabled = false)")
     pg.commit()
     assert not store.autovacuum_on()
-    assert warnings_from_two_consumers() == 1
+    assert warnings_from(2) == 1
+    # a consumer that is no Celery worker (celery inspect's, say) does not say it
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pgbroker"), connect(broker_url) as conn:
+        conn.ensure_connection()
+        conn.transport.lease.ensure()
+    assert "autovacuum" not in caplog.text
 
     pg.execute("ALTER TABLE pgbroker.jobs RESET (autovacuum_enabled)")
     pg.commit()
     server_on = pg.execute("SELECT current_setting('autovacuum')::boolean "
                            "AND current_setting('track_counts')::boolean").fetchone()[0]
     assert store.autovacuum_on() is server_on  # this machine's server runs without autovacuum
-    assert warnings_from_two_consumers() == (0 if server_on else 1)
+    assert warnings_from(2) == (0 if server_on else 1)
 
 
 # -- retention ------------------------------------------------------------------------------------
