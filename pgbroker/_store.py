@@ -354,6 +354,12 @@ class Store:
                 if deadlocks == 3:
                     raise
 
+    def scheduled(self, queues: Sequence[str], limit: int,
+                  body_max: int) -> list[tuple[Any, ...]]:
+        """``job_scheduled_list``: the earliest scheduled jobs of ``queues``."""
+        return self._execute("job_scheduled_list", {"queues": list(queues), "limit": limit,
+                                                    "body_max": body_max}).fetchall()
+
     # -- queues ----------------------------------------------------------------------------------
 
     def declare_queue(self, name: str, arguments: dict[str, Any] | None = None) -> None:

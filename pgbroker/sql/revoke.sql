@@ -1,5 +1,6 @@
--- Celery's remote control over the jobs table: the durable revoke (pgbroker/_revoke.py).
--- Loaded with queries.sql.
+-- Celery's remote control over the jobs table: the durable revoke (pgbroker/_revoke.py) and the
+-- scheduled jobs `celery inspect scheduled` lists (pgbroker/_scheduled.py). Loaded with
+-- queries.sql.
 
 -- name: job_revoke
 -- Revoke the jobs of these Celery task ids, with an audit row per job and the revoke's broadcast
@@ -65,3 +66,25 @@ LEFT JOIN LATERAL (
     ORDER BY id DESC LIMIT 1
 ) AS s ON true
 WHERE NOT EXISTS (SELECT 1 FROM changed AS c WHERE c.task_id = w.task_id);
+
+-- name: job_scheduled_list
+-- The earliest scheduled jobs of these queues, at most %(limit)s: `celery inspect scheduled`.
+-- One range of jobs_scheduled_idx (queue, run_at) per queue, each cut at the limit, so the cost
+-- is the limit, never the number of jobs waiting (a queue may hold 100,000). A body longer than
+-- %(body_max)s bytes is not read (octet_length does not fetch a TOASTed value): the message's
+-- argsrepr/kwargsrepr headers stand in for its arguments, and the reply stays small.
+SELECT j.task_id, j.task, j.run_at, j.priority, j.exchange, j.routing_key, j.attempts,
+       j.content_type, j.content_encoding, j.body, j.argsrepr, j.kwargsrepr
+FROM unnest(%(queues)s::text[]) AS q(name)
+CROSS JOIN LATERAL (
+    SELECT id, task_id, task, run_at, priority, exchange, routing_key, attempts, content_type,
+           content_encoding,
+           CASE WHEN octet_length(body) <= %(body_max)s THEN body END AS body,
+           headers ->> 'argsrepr' AS argsrepr, headers ->> 'kwargsrepr' AS kwargsrepr
+    FROM {schema}.jobs
+    WHERE state = 'scheduled' AND queue = q.name
+    ORDER BY run_at
+    LIMIT %(limit)s
+) AS j
+ORDER BY j.run_at, j.id
+LIMIT %(limit)s;

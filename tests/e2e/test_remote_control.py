@@ -11,6 +11,7 @@ replies with a transient message to the client's reply queue (``<oid>.reply.cele
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,16 @@ def test_inspect_answers_from_two_workers_with_tasks_running(
     assert {n: [t["id"] for t in ts] for n, ts in inspect.reserved().items()} == {
         na: [reserved_a.id], nb: []}
     # An eta task waits in the database (state 'scheduled') until due, never in a worker's
-    # memory, so no worker lists it: `pgbroker stats` and the jobs table show it instead.
-    assert inspect.scheduled() == {na: [], nb: []}
+    # memory: each worker lists the scheduled jobs of the queues it consumes, as Celery would
+    # list its timer's (pgbroker._scheduled).
     assert job(runs, later.id)["state"] == "scheduled"
+    scheduled = cli_json(broker_url, "inspect", "scheduled")
+    assert scheduled[nb] == [] and len(scheduled[na]) == 1
+    entry = scheduled[na][0]
+    assert datetime.fromisoformat(entry["eta"]) == job(runs, later.id)["run_at"]
+    assert (entry["request"]["id"], entry["request"]["name"], entry["request"]["args"],
+            entry["request"]["hostname"]) == (later.id, "tests.e2e.app.touch", ["later"], na)
+    assert inspect.scheduled() == scheduled
     stats = inspect.stats()
     assert set(stats) == {na, nb}
     for name in (na, nb):

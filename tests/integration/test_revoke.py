@@ -1,6 +1,6 @@
-"""Durable revoke against a real database, without a worker: what ``app.control.revoke``
-writes from the producer's process, how every end of a flagged delivery ends it ``cancelled``,
-the ``pgbroker revoke`` command and the admin page.
+"""Durable revoke and ``inspect scheduled`` against a real database, without a worker: what
+``app.control.revoke`` writes from the producer's process, how every end of a flagged delivery
+ends it ``cancelled``, the ``pgbroker revoke`` command, and the scheduled listing's bounds.
 
 The same behaviours with real ``celery worker`` processes: tests/e2e/test_revoke.py.
 """
@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import kombu
 import psycopg
 import pytest
+from celery.utils.collections import AttributeDict
+from celery.utils.timer2 import Timer
 from psycopg.rows import dict_row
 
-from pgbroker import _revoke
+from pgbroker import _revoke, _scheduled
 from pgbroker.cli import main
 from pgbroker.ops import os_user
 from pgbroker.sweeper import Sweeper
 from tests.e2e.control_support import client_app
-from tests.integration.transport_support import new_job, store_for
+from tests.integration.transport_support import connect, new_job, store_for
 
 TASK = "tests.e2e.app.touch"
 
@@ -158,6 +162,63 @@ def test_pgbroker_revoke_prints_what_happened_to_each_id(
     assert exchange == "app.pidbox"
     assert body["method"] == "terminate"  # what Celery's `control terminate` sends
     assert body["arguments"] == {"task_id": ["t-a", "t-b", "t-none"], "signal": "SIGTERM"}
+
+
+# -- inspect scheduled ---------------------------------------------------------------------------
+
+@pytest.fixture
+def inspect_state(broker_url: str) -> Callable[..., AttributeDict]:
+    """A Celery control state (what a worker's Panel commands get) over a real kombu
+    connection, consuming the given queues: only the worker around it is left out."""
+    opened: list[kombu.Connection] = []
+    _scheduled.install()
+
+    def make(*queues: str, url: str = broker_url) -> AttributeDict:
+        conn = connect(url) if url.startswith("pgbroker") else kombu.Connection(url)
+        opened.append(conn)
+        consumer = AttributeDict(connection=conn, timer=Timer(), task_consumer=AttributeDict(
+            queues=[kombu.Queue(q) for q in queues]))
+        return AttributeDict(hostname="w1@host", consumer=consumer)
+
+    yield make
+    for conn in opened:
+        conn.release()
+
+
+def test_inspect_scheduled_lists_the_earliest_jobs_of_the_consumed_queues_within_bounds(
+        broker_url: str, inspect_state: Callable[..., AttributeDict]) -> None:
+    from celery.worker.control import Panel
+
+    with client_app(broker_url) as app:
+        for n in range(5):
+            app.send_task(TASK, args=(n,), kwargs={"k": n}, task_id=f"a{n}", queue="qa",
+                          countdown=600 - n, priority=n)
+        app.send_task(TASK, args=("b",), task_id="b0", queue="qb", countdown=300)
+        app.send_task(TASK, args=("x" * 5000,), task_id="big", queue="qb", countdown=900)
+        app.send_task(TASK, args=("c",), task_id="c0", queue="qc", countdown=1)  # not consumed
+        app.send_task(TASK, args=("now",), task_id="due", queue="qa")  # pending, not scheduled
+    scheduled = Panel.data["scheduled"]
+    assert Panel.data["dump_schedule"] is scheduled
+
+    listed = scheduled(inspect_state("qa", "qb"))
+    assert [e["request"]["id"] for e in listed] == ["b0", "a4", "a3", "a2", "a1", "a0", "big"]
+    first = listed[1]
+    assert first["priority"] == 4 and first["eta"].endswith("+00:00")
+    assert first["request"] == {
+        "id": "a4", "name": TASK, "args": [4], "kwargs": {"k": 4}, "type": TASK,
+        "hostname": "w1@host", "time_start": None, "acknowledged": False,
+        "delivery_info": {"exchange": "", "routing_key": "qa", "priority": 4,
+                          "redelivered": False},
+        "worker_pid": None}
+    # a body too long to read in a reply: Celery's argsrepr header stands in for its arguments
+    assert listed[-1]["request"]["args"].startswith("('xxxx") and \
+        listed[-1]["request"]["kwargs"] == "{}"
+
+    assert [e["request"]["id"] for e in scheduled(inspect_state("qa", "qb"), limit=2)] == [
+        "b0", "a4"]
+    assert len(scheduled(inspect_state("qa"), limit=10**9)) == 5  # capped, not an error
+    # another broker: Celery's own command, which reads the worker's timer
+    assert scheduled(inspect_state("qa", url="memory://")) == []
 
 
 def test_the_admin_job_page_shows_a_cancelled_by_revoke_job_with_its_audit_entry(
