@@ -15,7 +15,7 @@ WITH picked AS MATERIALIZED (
     -- FOR UPDATE, not SKIP LOCKED: a job being claimed or promoted right now is waited for and
     -- read again as it committed (READ COMMITTED), so it is flagged as running, not missed.
     -- Ordered by id, so that two revokes naming the same jobs lock them in the same order.
-    -- task_id = ANY(...) is served by jobs_task_delivery_idx, which leads with task_id.
+    -- task_id = ANY(...) is served by the unique publish index, which leads with task_id.
     SELECT id, task_id, queue, task, state, last_error
     FROM {schema}.jobs
     WHERE task_id = ANY(%(task_ids)s::text[])

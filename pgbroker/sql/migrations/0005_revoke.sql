@@ -10,7 +10,7 @@
 -- Operational caveats: adds one nullable column without a default, which PostgreSQL does as a
 -- catalog change (no table rewrite), but under a brief ACCESS EXCLUSIVE lock on `jobs`: the
 -- migration waits for the transactions using `jobs` to finish, and claims and publishes wait
--- behind it for that moment. No index: a revoke finds its jobs by task id (jobs_task_delivery_idx
--- leads with task_id).
+-- behind it for that moment. No index: a revoke finds its jobs by task id, through the unique
+-- publish index, which leads with task_id.
 
 ALTER TABLE {schema}.jobs ADD COLUMN revoked_at timestamptz;  -- when a revoke named this job
