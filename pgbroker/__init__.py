@@ -18,7 +18,7 @@ from .errors import (
 from .enqueue import enqueue, enqueue_many, transaction
 from .migrate import migrate
 from .settings import Settings
-from . import _failures, _startup
+from . import _failures, _scheduled, _startup
 from .transport import _register
 
 __all__ = [
@@ -40,4 +40,5 @@ __version__ = "0.1.0"
 
 _register()
 _failures.connect()
+_scheduled.connect()
 _startup.connect()

@@ -332,6 +332,34 @@ class Store:
         return self._execute("job_fail", {"id": job_id, "attempt": attempt, "error": error,
                                           "traceback": traceback}).rowcount
 
+    # -- remote control (sql/revoke.sql) ---------------------------------------------------------
+
+    def revoke(self, task_ids: Sequence[str], *, actor: str, reason: str,
+               detail: dict[str, Any], broadcast: NewJob | None) -> list[tuple[Any, ...]]:
+        """``job_revoke``: (task id, job id, state, changed) rows; see pgbroker._revoke."""
+        b = broadcast.params() if broadcast is not None else {}
+        params = {"task_ids": list(task_ids), "actor": actor, "reason": reason,
+                  "detail": Jsonb(detail), "channel": self.settings.channel,
+                  **{f"b_{k}": b.get(k) for k in ("id", "exchange", "routing_key", "body",
+                                                  "content_type", "content_encoding",
+                                                  "headers", "properties")}}
+        deadlocks = 0
+        while True:
+            try:
+                return self._execute("job_revoke", params).fetchall()
+            except psycopg.errors.DeadlockDetected:
+                # with an ack or another revoke locking the same rows in another order: the
+                # statement was rolled back whole, so running it again is safe
+                deadlocks += 1
+                if deadlocks == 3:
+                    raise
+
+    def scheduled(self, queues: Sequence[str], limit: int,
+                  body_max: int) -> list[tuple[Any, ...]]:
+        """``job_scheduled_list``: the earliest scheduled jobs of ``queues``."""
+        return self._execute("job_scheduled_list", {"queues": list(queues), "limit": limit,
+                                                    "body_max": body_max}).fetchall()
+
     # -- queues ----------------------------------------------------------------------------------
 
     def declare_queue(self, name: str, arguments: dict[str, Any] | None = None) -> None:

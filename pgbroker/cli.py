@@ -314,6 +314,26 @@ def cmd_cancel(ops: Operations, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_revoke(args: argparse.Namespace) -> int:
+    from ._messages import message_to_job
+    from ._revoke import RevokeRequest, apply, pidbox_message
+    from ._store import Store
+
+    request = RevokeRequest(tuple(dict.fromkeys(args.ids)), args.terminate, args.signal)
+    store = Store(_url(args), Settings(schema=args.schema, auto_migrate=False),
+                  application_name="pgbroker cli")
+    message = pidbox_message(request, args.control_exchange)
+    try:
+        store.connect()  # checks the schema: a clear error if it is not migrated
+        outcomes = apply(store, request, message_to_job(store.settings, None, message),
+                         via="cli", log=False)
+    finally:
+        store.close()
+    for outcome in outcomes:
+        print(f"{outcome.task_id}: {outcome}")
+    return 0
+
+
 def cmd_purge(ops: Operations, args: argparse.Namespace) -> int:
     n = ops.purge(args.queue, batch_size=args.batch_size, progress=_progress("deleted"))
     print(f"purged {n} pending or scheduled job(s) of queue {args.queue}")
@@ -507,6 +527,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("cancel", _with_ops(cmd_cancel), "Cancel a pending or scheduled job: it will "
                 "never run (a running job cannot be taken back from its worker).")
     p.add_argument("id", metavar="ID", help="the job's id")
+
+    p = command("revoke", cmd_revoke, "Revoke Celery tasks by task id, as `celery control "
+                "revoke` does over pgbroker: pending and scheduled jobs are cancelled, running "
+                "or prefetched ones end cancelled when their delivery ends, and the live "
+                "workers are told. Prints what happened to each id.")
+    p.add_argument("ids", metavar="TASK_ID", nargs="+", help="Celery task ids")
+    p.add_argument("--terminate", action="store_true", help="also stop the task where it runs "
+                   "(Celery sends the signal to its pool process)")
+    p.add_argument("--signal", default=None, help="with --terminate: the signal (default: "
+                   "SIGTERM)")
+    p.add_argument("--control-exchange", default="celery", metavar="NAME",
+                   help="your app's control_exchange setting (default: celery)")
 
     p = command("purge", _with_ops(cmd_purge), "Delete every pending and scheduled job of a "
                 "queue, in batches with progress (running jobs finish; dead ones stay).")

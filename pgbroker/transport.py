@@ -50,7 +50,7 @@ from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES, TopicExcha
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
-from . import _db
+from . import _db, _revoke
 from ._lease import Lease
 from ._messages import (
     DELIVERY_HEADER,
@@ -293,7 +293,12 @@ class Channel(virtual.Channel):
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
         """A broadcast: one row, read by every process consuming a queue bound to ``exchange``.
-        Nobody bound (worker events with no monitor running): nothing is written."""
+        Nobody bound (worker events with no monitor running): nothing is written. A revoke is
+        also written to the jobs it names, bound or not (:mod:`pgbroker._revoke`)."""
+        revoke = _revoke.request_of(exchange, message)
+        if revoke is not None:
+            _revoke.apply(self.store, revoke, self.new_job(None, message), via="celery revoke")
+            return
         if not self._bindings(exchange):
             return
         self.store.broadcast(self.new_job(None, message))

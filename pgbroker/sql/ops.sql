@@ -97,8 +97,8 @@ SELECT entry, age_seconds FROM {schema}.beat_status WHERE enabled ORDER BY entry
 
 -- name: job_show
 SELECT id, queue, task, task_id, retries, state, priority, attempts, max_attempts, run_at,
-       expires_at, locked_at, locked_by, last_error, last_traceback, idempotency_key, created_at,
-       updated_at, exchange, routing_key, content_type, content_encoding, headers, properties,
+       expires_at, locked_at, locked_by, revoked_at, last_error, last_traceback, idempotency_key,
+       created_at, updated_at, exchange, routing_key, content_type, content_encoding, headers, properties,
        body
 FROM {schema}.jobs WHERE id = %(id)s;
 

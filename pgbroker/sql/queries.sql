@@ -85,8 +85,9 @@ WITH candidates AS MATERIALIZED (
     -- before the next ANALYZE), a cached join plan walked all of jobs_pkey (9-15 ms per claim).
     UPDATE {schema}.jobs AS j
     -- A row updated here is 'pending' only if it is a candidate (locked above, so unchanged);
-    -- an acked one is 'running'.
+    -- an acked one is 'running' (and ends as job_ack says).
     SET state = CASE WHEN j.state = 'pending' THEN 'running'
+                     WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         -- an attempt is spent at claim: a job that kills its worker has used it up, so a
         -- poison job cannot loop
@@ -113,25 +114,31 @@ WHERE state = 'running';  -- the claimed rows, not the acked ones
 -- a job that was redelivered meanwhile matches no row and changes nothing. Celery acks a task
 -- that raised (task_acks_on_failure_or_timeout): the failure hook recorded that attempt in
 -- failed_attempt, so it ends 'dead' with its error -- a dead letter, not a silent 'completed'.
+-- A job revoked while it was claimed (job_revoke) ends 'cancelled', whatever its task did: the
+-- worker discarded it, terminated it, or ran it to its end (its error, if any, stays).
 UPDATE {schema}.jobs AS j
-SET state = CASE WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
+SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+                 WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
     locked_at = NULL, updated_at = now()
 FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
 WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
 
 -- name: job_ack_delete
--- Retention 0: an acked delivery is deleted at once -- unless its task failed (kept, 'dead').
+-- Retention 0: an acked delivery is deleted at once -- unless its task failed (kept, 'dead') or
+-- it was revoked (kept, 'cancelled', until the next prune, as job_ack would end it).
 WITH deleted AS (
     DELETE FROM {schema}.jobs AS j
     USING unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
     WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
-      AND j.failed_attempt IS DISTINCT FROM j.attempts
+      AND j.failed_attempt IS DISTINCT FROM j.attempts AND j.revoked_at IS NULL
     RETURNING j.id
 ), failed AS (
-    UPDATE {schema}.jobs AS j SET state = 'dead', locked_at = NULL, updated_at = now()
+    UPDATE {schema}.jobs AS j
+    SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
+        locked_at = NULL, updated_at = now()
     FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
     WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
-      AND j.failed_attempt = j.attempts
+      AND (j.failed_attempt = j.attempts OR j.revoked_at IS NOT NULL)
     RETURNING j.id
 )
 SELECT (SELECT count(*) FROM deleted) + (SELECT count(*) FROM failed);
@@ -150,11 +157,13 @@ WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed
 -- name: job_requeue
 -- A delivery given back (reject with requeue, shutdown with prefetched messages, recover): the
 -- same row goes back to 'pending' -- never a re-insert, which an idempotency key would swallow.
--- Out of attempts, it goes 'dead' instead of looping.
+-- Out of attempts, it goes 'dead' instead of looping; revoked while claimed, 'cancelled'.
 WITH requeued AS (
     UPDATE {schema}.jobs
-    SET state = CASE WHEN jobs.attempts >= jobs.max_attempts THEN 'dead' ELSE 'pending' END,
-        last_error = CASE WHEN jobs.attempts >= jobs.max_attempts
+    SET state = CASE WHEN jobs.revoked_at IS NOT NULL THEN 'cancelled'
+                     WHEN jobs.attempts >= jobs.max_attempts THEN 'dead' ELSE 'pending' END,
+        last_error = CASE WHEN jobs.revoked_at IS NOT NULL THEN jobs.last_error
+                          WHEN jobs.attempts >= jobs.max_attempts
                           THEN format('max attempts (%%s) reached; last: %%s', jobs.max_attempts,
                                       coalesce(%(error)s::text, 'requeued by the consumer'))
                           ELSE coalesce(%(error)s::text, jobs.last_error) END,
@@ -168,9 +177,10 @@ FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q;
 
 -- name: job_bury
 -- A delivery that must not run again (reject without requeue, undecodable): 'dead', with why --
--- the task's own error when this attempt raised, else the transport's reason.
+-- the task's own error when this attempt raised, else the transport's reason. Revoked while
+-- claimed: 'cancelled', with the same reason (a revoked job is never a dead letter to retry).
 UPDATE {schema}.jobs
-SET state = 'dead',
+SET state = CASE WHEN revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
     last_error = CASE WHEN failed_attempt = attempts THEN last_error ELSE %(error)s END,
     locked_at = NULL, locked_by = NULL, updated_at = now()
 WHERE id = %(id)s AND attempts = %(attempt)s AND state = 'running';
@@ -236,7 +246,8 @@ SET state = 'expired', last_error = 'expired before delivery', updated_at = now(
 FROM gone WHERE j.id = gone.id AND j.state IN ('pending', 'scheduled');
 
 -- name: job_rescue
--- Running jobs whose consumer is gone go back to 'pending' (or 'dead' when out of attempts).
+-- Running jobs whose consumer is gone go back to 'pending' (or 'dead' when out of attempts;
+-- 'cancelled' when revoked while claimed, so a revoked prefetched job never runs elsewhere).
 -- A consumer is gone when its row is missing, its heartbeat is older than the lease, or (with
 -- advisory locks) the lock its session held is no longer held: its connection died.
 WITH gone AS MATERIALIZED (
@@ -259,8 +270,10 @@ WITH gone AS MATERIALIZED (
     FOR UPDATE OF j SKIP LOCKED
 ), rescued AS (
     UPDATE {schema}.jobs AS j
-    SET state = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
-        last_error = CASE WHEN j.attempts >= j.max_attempts
+    SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+                     WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
+        last_error = CASE WHEN j.revoked_at IS NOT NULL THEN j.last_error
+                          WHEN j.attempts >= j.max_attempts
                           THEN format('max attempts (%%s) reached: its consumer was lost '
                                       '(worker killed or unreachable) during every attempt',
                                       j.max_attempts)

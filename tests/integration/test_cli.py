@@ -91,7 +91,7 @@ def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
 # -- help, migrate, stats ------------------------------------------------------------------------
 
 COMMANDS = [["migrate"], ["stats"], ["jobs", "list"], ["jobs", "show"], ["dead", "list"],
-            ["dead", "retry"], ["dead", "discard"], ["cancel"], ["purge"], ["pause"],
+            ["dead", "retry"], ["dead", "discard"], ["cancel"], ["revoke"], ["purge"], ["pause"],
             ["resume"], ["audit"], ["sweep"], ["serve"], ["health", "worker"],
             ["health", "queue"], ["health", "beat"]]
 

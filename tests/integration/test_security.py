@@ -242,8 +242,17 @@ def test_least_privilege_roles_run_a_worker_and_a_producer_without_ddl(
     try:
         results = [e2e.touch.delay("as-app"), e2e.boom.delay("as-app-fails"),
                    e2e.touch.apply_async(("as-app-later",), countdown=1)]
+        # remote control as the application role: a durable revoke (jobs, audit, broadcast)
+        # and `inspect scheduled` (a worker reading the jobs table)
+        revoked = e2e.touch.apply_async(("as-app-revoked",), countdown=600)
+        listed = e2e.touch.apply_async(("as-app-listed",), countdown=600)
+        e2e.app.control.revoke(revoked.id)
+        (entries,) = (e2e.app.control.inspect(timeout=2).scheduled() or {"none": []}).values()
+        ids = [e["request"]["id"] for e in entries]
+        assert listed.id in ids and revoked.id not in ids
+        results.append(revoked)
         with psycopg.connect(roles["url"], autocommit=True) as admin:
-            for result, state in zip(results, ("completed", "dead", "completed")):
+            for result, state in zip(results, ("completed", "dead", "completed", "cancelled")):
                 wait_state(admin, result.id, state)
             users = {r[0] for r in admin.execute(
                 "SELECT usename FROM pg_stat_activity WHERE application_name LIKE 'pgbroker%%'"
