@@ -92,6 +92,15 @@ SELECT (SELECT count(*) FROM rolled), (SELECT count(*) FROM depth),
        (SELECT count(*) FROM advanced),
        (SELECT count(*) FROM pruned_finished) + (SELECT count(*) FROM pruned_depth);
 
+-- name: stats_rollup_due
+-- Whether stats_rollup has anything to do: a one-row read that every sweep can afford (the
+-- rollup itself takes milliseconds to plan).
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.stats_rollup AS s
+    WHERE s.finished_upto IS NULL
+       OR s.finished_upto < date_trunc('minute', now() - make_interval(secs => %(lag)s))
+       OR s.depth_minute IS DISTINCT FROM date_trunc('minute', now()));
+
 -- name: stats_upto
 -- Where the rollup is, and the database clock.
 SELECT finished_upto, now() FROM {schema}.stats_rollup;
