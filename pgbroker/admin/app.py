@@ -321,6 +321,8 @@ def _install_filters(app: Flask) -> None:
     app.add_template_filter(
         lambda t: (t or "").strip().splitlines()[0] if (t or "").strip() else "", "first_line")
     app.add_template_filter(charts.format_ms, "ms")
+    app.add_template_filter(lambda d, *keys: {k: v for k, v in d.items() if k not in keys},
+                            "dict_without")
     app.add_template_filter(charts.format_count, "count")
     app.add_template_global(is_poison, "is_poison")
     app.add_template_global(is_internal_queue, "is_internal_queue")
@@ -533,7 +535,7 @@ def _install_views(app: Flask) -> None:  # noqa: C901 - one small function per r
             if len(rows) == 1:
                 return redirect(url_for("job", job_id=rows[0]["id"]), code=303)
             return render_template("jobs.html", rows=rows, q=q, page=None, match=JobFilter(),
-                                   states=JOB_STATES, args={}, known=[], bulk={})
+                                   states=JOB_STATES, args={}, known=[], bulk={}, counts={})
         try:
             match = _job_filter(request.args)
             before = parse_job_id(request.args["before"]) if request.args.get("before") else None
@@ -543,11 +545,18 @@ def _install_views(app: Flask) -> None:  # noqa: C901 - one small function per r
         with _ops() as ops:
             page = ops.browse(match, before)
         known = state.rows("stats_tasks")
+        # how many of each state (the finished ones: within the metrics' window), of the
+        # queue and task asked for: the metrics' numbers, cheap
+        counts: dict[str, int] = {}
+        for t in state.snapshot().tasks:
+            if match.queue in (None, t.queue) and match.task in (None, t.task):
+                for name in JOB_STATES:
+                    counts[name] = counts.get(name, 0) + getattr(t, name, 0)
         bulk = {action: states for action, states in BULK_ACTIONS.items()
                 if match.state is None or match.state in states}
         return render_template("jobs.html", rows=page.rows, q="", page=page, match=match,
                                states=JOB_STATES, args=_filter_args(match), known=known,
-                               bulk=bulk, before=before)
+                               bulk=bulk, before=before, counts=counts)
 
     @app.get("/jobs/bulk")
     def jobs_bulk_confirm() -> Any:

@@ -65,16 +65,17 @@ def format_ms(ms: float | None) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def _nice(top: float) -> float:
-    """A round number at or above ``top`` (1, 2, 2.5, 5 times a power of ten)."""
-    if top <= 0:
-        return 1.0
-    power = 10 ** math.floor(math.log10(top))
-    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= top)
+def _nice(top: float, whole: bool = False) -> float:
+    """The axis' top: four grid steps of a round size (1, 2, 2.5 or 5 times a power of ten;
+    a whole number for counts) reaching ``top``."""
+    step = max(top, 1e-9) / 4
+    power = 10 ** math.floor(math.log10(step))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= step)
+    return 4 * (max(1.0, math.ceil(step)) if whole else step)
 
 
 def _nice_ms(top: float) -> float:
-    """A round duration at or above ``top`` milliseconds."""
+    """The axis' top for durations, in a round number of ms, s, min or h."""
     for unit in (1, 1000, 60_000, 3_600_000):
         if top <= unit * 1000 or unit == 3_600_000:
             return _nice(top / unit) * unit
@@ -139,7 +140,7 @@ def bar_chart(title: str, points: Sequence[Point], win: Window, series: Sequence
               empty: str) -> Markup:
     """Stacked bars, one per step, the first series at the bottom."""
     totals = [sum(s.value(p) or 0 for s in series) for p in points]
-    top = _nice(max(totals, default=0))
+    top = _nice(max(totals, default=0), whole=True)
     grand = sum(totals)
     peak = max(range(len(points)), key=lambda i: totals[i], default=None)
     if grand and peak is not None:
@@ -170,7 +171,7 @@ def line_chart(title: str, points: Sequence[Point], win: Window, series: Sequenc
                empty: str, durations: bool = False) -> Markup:
     """One line per series; a step without a value breaks the line (a gap, not a zero)."""
     values = [v for s in series for p in points if (v := s.value(p)) is not None]
-    top = (_nice_ms if durations else _nice)(max(values, default=0))
+    top = _nice_ms(max(values, default=0)) if durations else _nice(max(values, default=0), True)
     fmt = format_ms if durations else format_count
     if values:
         last = next((p for p in reversed(points) if series[0].value(p) is not None), None)

@@ -49,8 +49,8 @@ def test_browse_by_queue_task_state_time_and_text(client: FlaskClient,  # noqa: 
     now = datetime.now(timezone.utc)
     old = celery_job(pg, "dead", "order 1", now - timedelta(days=2))
     new = celery_job(pg, "dead", "order 2", now - timedelta(minutes=5))
-    other = celery_job(pg, "dead", "ORDER 3", task="t.b")
-    done = celery_job(pg, "completed", "order 4", queue="q2")
+    other = celery_job(pg, "dead", "ORDER 3", now - timedelta(seconds=2), task="t.b")
+    done = celery_job(pg, "completed", "order 4", now - timedelta(seconds=1), queue="q2")
     assert shown(client.get("/jobs").text) == [str(done), str(other), str(new), str(old)]
     assert shown(client.get("/jobs?state=dead&task=t.a").text) == [str(new), str(old)]
     assert shown(client.get("/jobs?queue=q2").text) == [str(done)]
@@ -202,7 +202,7 @@ def test_beat_entries_enable_disable_and_run_now(client: FlaskClient,  # noqa: F
     due, = pg.execute("SELECT next_occurrence <= now() FROM pgbroker.beat_schedule").fetchone()
     assert due
     client.post("/beat/disable", data={"name": "report", "csrf_token": token})
-    assert "⏸ disabled" in client.get("/beat").text
+    assert "○ disabled" in client.get("/beat").text
     response = client.post("/beat/run", data={"name": "report", "csrf_token": token},
                            follow_redirects=True)
     assert "is disabled" in response.text
