@@ -465,11 +465,13 @@ def _install_views(app: Flask) -> None:  # noqa: C901 - one small function per r
     def overview() -> Any:
         return render_template("overview.html", snap=_state().snapshot(), paused=paused(),
                                refresh=_state().refresh, queue=None, task=None,
+                               all_queues=request.args.get("all") == "1",
                                **_charts_context(None, None))
 
     @app.get("/overview/live")
     def overview_live() -> Any:
-        return render_template("_overview.html", snap=_state().snapshot())
+        return render_template("_overview.html", snap=_state().snapshot(),
+                               all_queues=request.args.get("all") == "1")
 
     @app.get("/charts")
     def charts_live() -> Any:

@@ -165,6 +165,8 @@ def test_operator_session_in_a_browser(producer, runs: psycopg.Connection, admin
     expect(celery_row.locator(".active-badge")).to_be_visible()
     wait_for(lambda: key_runs(runs, "browser-held"), 60, message="the held job after resume")
     page.goto(admin_url + "/")
+    with page.expect_request(lambda r: "/charts" in r.url):  # the charts follow live too
+        pass
     shot(page, "admin.png")
 
     # Workers: the worker, its heartbeat, and the task it runs right now, since when.

@@ -237,3 +237,19 @@ def test_the_viewer_token_scrapes_metrics(app: Flask) -> None:
     response = app.test_client().get("/metrics",
                                      headers={"Authorization": "Bearer viewer-token-4567"})
     assert response.status_code == 200 and "pgbroker_up 1.0" in response.text
+
+
+# -- a thousand idle queues ----------------------------------------------------------------------
+
+def test_idle_queues_are_counted_not_listed_in_the_live_overview(app: Flask,  # noqa: F811
+                                                                 pg: psycopg.Connection) -> None:
+    pg.execute("INSERT INTO pgbroker.queues (name) SELECT 'idle-' || i || repeat('x', 200)"
+               " FROM generate_series(1, 1000) AS i")
+    add_job(pg, "pending")
+    client = log_in(app)
+    live = client.get("/overview/live")
+    assert len(live.data) < 30 * 1024  # was 1.1 MB for 1,000 queues, every --refresh seconds
+    assert '<tr data-queue="q1"' in live.text
+    assert "1000 idle queue(s), with no job in the window and no consumer, not listed" in live.text
+    everything = client.get("/overview/live?all=1").text
+    assert everything.count('<tr data-queue="idle-') == 1000
