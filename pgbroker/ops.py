@@ -22,7 +22,7 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -124,8 +124,6 @@ def id_at(t: datetime) -> uuid.UUID:
 
 def time_of(job_id: uuid.UUID) -> datetime | None:
     """When a UUIDv7 job id was made (None for another kind of UUID)."""
-    from datetime import timezone
-
     if job_id.version != 7:
         return None
     return datetime.fromtimestamp((job_id.int >> 80) / 1000, timezone.utc)
@@ -290,7 +288,7 @@ class Operations:
             rows = self._rows("job_browse_state", {**params, "limit": limit + 1})
             return Browsed(rows[:limit], rows[limit - 1]["id"] if len(rows) > limit else None,
                            True, None)
-        (low, n), = [tuple(r.values()) for r in self._rows("job_window", {**params, "scan": scan})]
+        low, n = self._one("job_window", {**params, "scan": scan})
         if low is None:
             return Browsed([], None, True, None)
         rows = self._rows("job_browse_window", {**params, "id_from": low, "limit": limit + 1})

@@ -176,7 +176,7 @@ ORDER BY c.host, c.pid, c.started_at;
 -- What is running now, longest first, and whose it is (owned: its consumer is registered; an
 -- unowned one is the sweeper's to redeliver).
 SELECT j.id, j.queue, j.task, j.task_id, j.locked_by, j.locked_at, j.attempts, j.max_attempts,
-       extract(epoch FROM now() - j.locked_at)::float8 AS age,
+       j.revoked_at, extract(epoch FROM now() - j.locked_at)::float8 AS age,
        left(j.headers ->> 'argsrepr', 200) AS args,
        EXISTS (SELECT 1 FROM {schema}.consumers AS c WHERE c.id = j.locked_by) AS owned
 FROM {schema}.jobs AS j
@@ -304,7 +304,8 @@ RETURNING id;
 -- One job for its page: headers, properties and body cut at %(limit)s characters (bytes for
 -- the body) with their full sizes, so a job with 10 MB of headers costs a page, not 10 MB.
 SELECT j.id, j.queue, j.task, j.task_id, j.retries, j.state, j.priority, j.attempts,
-       j.max_attempts, j.run_at, j.expires_at, j.locked_at, j.locked_by, j.last_error,
+       j.max_attempts, j.run_at, j.expires_at, j.locked_at, j.locked_by, j.revoked_at,
+       j.last_error,
        j.last_traceback, j.idempotency_key, j.created_at, j.updated_at, j.exchange,
        j.routing_key, j.content_type, j.content_encoding,
        left(h.text, %(limit)s) AS headers, length(h.text) AS headers_size,

@@ -158,6 +158,7 @@ def test_a_jobs_page_shows_every_try_of_its_task(client: FlaskClient,  # noqa: F
         assert str(job_id) in html
     assert "ConnectionError: try 1" in html
     assert "(this one)" in html and f'href="/jobs/{tries[2]}"' in html
+    assert f'ended by sending a Celery retry: the task goes on in\n  <a href="/jobs/{tries[1]}"' in html
     assert "dead.retry" in html  # the audit rows of every try
     assert "<h2>Arguments</h2>" in html and "&#34;x&#34;" in html
 
@@ -176,11 +177,15 @@ def test_the_workers_page_shows_each_consumer_and_what_it_runs(
     busy = celery_job(pg, "running", "report 9", locked_by=alive,
                       locked_at=datetime.now(timezone.utc) - timedelta(seconds=90))
     orphan = celery_job(pg, "running", "orphan", locked_by=uuid.uuid4())
+    revoked = celery_job(pg, "running", "revoked", locked_by=late,
+                         revoked_at=datetime.now(timezone.utc))
     html = client.get("/workers").text
     section = html[html.index(f'data-consumer="{alive}"'):html.index(f'data-consumer="{late}"')]
     assert "● alive" in section and "web-1" in section and str(busy) in section
     assert "(&#39;report 9&#39;,)" in section and "1 min 30 s" in section
     assert "◐ late" in html and "○ lost" in html
+    revoked_row = html[html.index(f'<tr data-job="{revoked}"'):]
+    assert 'revoked</span>' in revoked_row[:revoked_row.index("</tr>")]
     owner_gone = html[html.index("owner gone"):]
     assert str(orphan) in owner_gone and str(busy) not in owner_gone
     assert "1 remote-control client(s)" in html
