@@ -8,7 +8,7 @@
   ``PGBROKER_ADMIN_VIEWER_TOKEN`` (the token for a Prometheus scraper). All are compared in
   constant time. A token shorter than 16 characters or a password shorter than 12 (or either
   made of fewer than 6 different characters) is refused at start-up.
-* A login is a row of ``<schema>.admin_sessions`` (migration 0008) holding the SHA-256 of a random
+* A login is a row of ``<schema>.admin_sessions`` (migration 0006) holding the SHA-256 of a random
   session id, the actor, the role and the session's CSRF token; the cookie (signed, HttpOnly,
   SameSite=Lax, and ``Secure`` with ``PGBROKER_ADMIN_SECURE_COOKIE=1``) carries the id. Logout
   deletes the row, so a cookie saved before is refused afterwards, for pages and POSTs alike. A

@@ -1,5 +1,5 @@
 """What the admin page's charts show: jobs finished, failures, run times and the backlog over a
-time range, per queue and task, read from the per-minute statistics of migration 0008.
+time range, per queue and task, read from the per-minute statistics of migration 0006.
 
 The sweeper rolls each closed minute up (``stats_rollup``); the minutes since, normally the last
 one or two, are read from ``jobs`` itself, so a chart is live to the second. When no sweeper has
@@ -33,7 +33,7 @@ ORIGIN = datetime(2000, 1, 3, tzinfo=timezone.utc)  # a Monday at 00:00 UTC: ste
 
 
 class Histogram:
-    """Counts per bucket (``stats_bucket`` in migration 0008) of durations in milliseconds."""
+    """Counts per bucket (``stats_bucket`` in migration 0006) of durations in milliseconds."""
 
     def __init__(self, counts: Mapping[Any, Any] | None = None):
         self.counts: dict[int, int] = {}

@@ -1,11 +1,11 @@
 -- The admin page's statements (pgbroker/admin/): its charts, workers, jobs browser, bulk actions
--- and sessions, and the rollup the sweeper runs for the charts (migration 0008). {schema} is the
+-- and sessions, and the rollup the sweeper runs for the charts (migration 0006). {schema} is the
 -- quoted schema name; every value is a bound parameter. The admin page's connections never
 -- prepare statements, so each is planned with its values: a state given as a parameter still
 -- picks that state's partial index.
 
 -- ---------------------------------------------------------------------------------------------
--- Statistics (stats_* tables of migration 0008)
+-- Statistics (stats_* tables of migration 0006)
 -- ---------------------------------------------------------------------------------------------
 
 -- name: stats_rollup

@@ -1,4 +1,4 @@
-"""The admin page's per-minute statistics (migration 0008): the sweeper's rollup, every number
+"""The admin page's per-minute statistics (migration 0006): the sweeper's rollup, every number
 exact, the depth samples, and the charts drawn from them. Rows are fabricated with SQL as the
 transport leaves them (finished rows keep their claim's time in locked_at).
 """

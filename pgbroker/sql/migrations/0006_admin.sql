@@ -1,4 +1,4 @@
--- 0008 admin: per-minute statistics for the admin page's charts, and its server-side sessions.
+-- 0006 admin: per-minute statistics for the admin page's charts, and its server-side sessions.
 --
 -- Charts over the last hour (or week) must not read the jobs table at each refresh: at 1,000
 -- jobs/s an hour is 3.6 M rows, and finished rows are pruned after the retention anyway. So the
