@@ -42,6 +42,10 @@ __all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "queries"]
 #: Planned again, the same statement uses the indexes, as the planner sees the table's size.
 REPLAN_SECONDS = 10.0
 
+#: Seconds after its end that a minute is rolled up (stats_rollup): rows are stamped with their
+#: transaction's start, so a row stamped in a minute may commit a little after it.
+ROLLUP_LAG = 10.0
+
 logger = logging.getLogger(__name__)
 
 #: Statements that create messages: durable unless the user opts into fast publishing.
@@ -401,6 +405,26 @@ class Store:
     def prune(self) -> int:
         return self._execute("job_prune", {"retention": self.settings.retention,
                                            "limit": self.settings.prune_batch_size}).rowcount
+
+    def rollup(self, minutes: int = 15) -> int:
+        """Roll up to ``minutes`` closed minutes up for the admin page's charts, and sample the
+        backlog once a minute (``stats_rollup`` in sql/admin.sql); returns the rows written.
+        Nothing is written while another sweeper does it, or when nothing is due."""
+        if not self._execute("stats_rollup_due", {"lag": ROLLUP_LAG}).fetchone()[0]:
+            return 0
+        params = {"lag": ROLLUP_LAG, "minutes": minutes,
+                  "backfill": min(self.settings.retention, 86400.0)}
+        self._check_fork()
+        with self._exec_lock, _db.translate_errors("pgbroker stats_rollup"):
+            conn = self.conn
+            self._before_statement(conn, True)
+            with conn.transaction():
+                # Its estimates (a function over a range known only at run time) pass
+                # jit_above_cost, and compiling took a second where running takes milliseconds.
+                conn.execute("SET LOCAL jit = off")
+                row = conn.cursor(row_factory=tuple_row).execute(self.q["stats_rollup"],
+                                                                 params).fetchone()
+        return int(row[0]) + int(row[1])
 
     # -- exchanges, bindings, broadcasts ---------------------------------------------------------
 

@@ -782,6 +782,24 @@ class Schedules:
                         "enabled" if enabled else "disabled", name)
         return changed
 
+    def run_now(self, name: str) -> datetime:
+        """Have the beats fire an enabled entry at their next tick (within ``max_interval``),
+        as an occurrence of now; returns that time. The entry's next occurrence on its grid
+        stays what it was (run now adds a run, it skips none), and its policies apply: with
+        ``overlap`` ``skip`` it is dropped while the previous run is unfinished. With no beat
+        running, nothing fires until one starts."""
+        from .ops import OperationError
+
+        with self._action() as row_of:
+            row_of(name)
+            row = self.conn.execute(self.q["beat_entry_run_now"], {"name": name}).fetchone()
+            if row is None:
+                raise OperationError(f"schedule entry {name!r} is disabled or no longer in the "
+                                     "config: enable it first")
+            self._audit("schedule.run_now", name, {"at": row[0].isoformat()})
+        logger.info("pgbroker: %s asked for a run of schedule entry %r now", self.actor, name)
+        return row[0]
+
     def add(self, name: str, task: str, schedule: Any, args: Any = (), kwargs: Any = None,
             options: Mapping[str, Any] | None = None, *, tz: str = "UTC", enabled: bool = True,
             replace: bool = False) -> str:

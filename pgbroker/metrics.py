@@ -94,6 +94,11 @@ class QueueStats(TaskStats):
     paused: bool = False
     consumers: int = 0
 
+    @property
+    def busy(self) -> bool:
+        """Anything to show: jobs (finished ones: within the window), consumers, a pause."""
+        return bool(self.paused or self.consumers or any(getattr(self, n) for n in _COUNTS))
+
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:

@@ -22,6 +22,7 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -34,7 +35,11 @@ from .errors import OperationError
 from .settings import Settings
 
 __all__ = [
+    "BULK_ACTIONS",
     "JOB_STATES",
+    "SMALL_STATES",
+    "Browsed",
+    "JobFilter",
     "OperationError",
     "Operations",
     "Progress",
@@ -49,8 +54,18 @@ logger = logging.getLogger(__name__)
 #: Every state a job can be in (the CHECK constraint of ``jobs.state``).
 JOB_STATES = ("scheduled", "pending", "running", "completed", "dead", "cancelled", "expired")
 
+#: The states that stay small in a healthy system, each with its partial index: a filter on one
+#: of them reads that index whole; the others (finished rows) are read a window at a time.
+SMALL_STATES = ("pending", "scheduled", "running", "dead")
+
+#: Bulk actions and the states each one acts on (the rest of what a filter matches is left).
+BULK_ACTIONS = {"retry": ("dead",), "discard": ("dead",), "cancel": ("pending", "scheduled")}
+
 #: Rows per batch of the long actions.
 DEFAULT_BATCH_SIZE = 1000
+
+_UUID_MIN = uuid.UUID(int=0)
+_UUID_MAX = uuid.UUID(int=(1 << 128) - 1)
 
 #: ``progress(done, total)`` after each batch of a long action.
 Progress = Callable[[int, int], None]
@@ -99,6 +114,74 @@ def body_text(body: bytes | memoryview | None, content_type: str | None,
                 pass
         text = text[:limit]
     return text + (f"\n... ({len(raw)} bytes in all)" if cut else "")
+
+
+def id_at(t: datetime) -> uuid.UUID:
+    """The lowest UUIDv7 made at ``t``: job ids at or after it were made at ``t`` or later (the
+    first 48 bits of a UUIDv7 are its Unix time in milliseconds, by the producer's clock)."""
+    return uuid.UUID(int=int(t.timestamp() * 1000) << 80)
+
+
+def time_of(job_id: uuid.UUID) -> datetime | None:
+    """When a UUIDv7 job id was made (None for another kind of UUID)."""
+    if job_id.version != 7:
+        return None
+    return datetime.fromtimestamp((job_id.int >> 80) / 1000, timezone.utc)
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """What the jobs browser and its bulk actions match (every field optional).
+
+    ``created_from``/``created_to`` bound the job id (a UUIDv7: its creation time by the
+    producer's clock), so a time range is a range scan of the primary key. ``text`` matches a raw
+    body that contains it (bytes, exact) or Celery's ``argsrepr``/``kwargsrepr`` headers (any
+    case): the task's arguments, without decoding every body.
+    """
+
+    queue: str | None = None
+    task: str | None = None
+    state: str | None = None
+    created_from: datetime | None = None
+    created_to: datetime | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.state is not None and self.state not in JOB_STATES:
+            raise OperationError(f"unknown state {self.state!r}: use one of "
+                                 f"{', '.join(JOB_STATES)}")
+        if self.created_from and self.created_to and self.created_from >= self.created_to:
+            raise OperationError("the time range is empty: 'from' must be before 'to'")
+
+    def params(self, before: uuid.UUID | None = None) -> dict[str, Any]:
+        """The statements' parameters; ``before``: only ids below it (the browser's cursor)."""
+        upper = id_at(self.created_to) if self.created_to else _UUID_MAX
+        if before is not None:
+            upper = min(upper, before)
+        like = None
+        if self.text:
+            like = "%" + self.text.replace("\\", "\\\\").replace("%", "\\%").replace(
+                "_", "\\_") + "%"
+        return {"queue": self.queue, "task": self.task, "state": self.state,
+                "id_from": id_at(self.created_from) if self.created_from else _UUID_MIN,
+                "id_to": upper, "text": self.text or None,
+                "text_bytes": self.text.encode("utf-8") if self.text else None,
+                "text_like": like}
+
+    def describe(self) -> dict[str, str]:
+        """The fields that are set, for an audit row and a confirmation page."""
+        return {k: v.isoformat() if isinstance(v, datetime) else v
+                for k, v in vars(self).items() if v}
+
+
+@dataclass(frozen=True)
+class Browsed:
+    """One page of the jobs browser."""
+
+    rows: list[dict[str, Any]]
+    older: uuid.UUID | None       #: the cursor of the next (older) page; None: this is the last
+    complete: bool                #: True: every match below the cursor is on this page or older
+    searched_to: datetime | None  #: else: jobs created since then were searched
 
 
 def os_user() -> str:
@@ -191,6 +274,80 @@ class Operations:
         return self._rows("job_list", {"queue": queue, "state": state, "task": task,
                                        "limit": limit})
 
+    def browse(self, match: JobFilter, before: uuid.UUID | None = None, limit: int = 50,
+               scan: int = 20000) -> Browsed:
+        """A page of the jobs that match, newest first, below the cursor ``before``.
+
+        A filter on a small state (:data:`SMALL_STATES`) reads that state's partial index and is
+        complete. Any other is looked for among the newest ``scan`` jobs below the cursor (a
+        range of the primary key): a filter that matches little never reads the whole table, and
+        :attr:`Browsed.searched_to` says how far back this page looked.
+        """
+        params = match.params(before)
+        if match.state in SMALL_STATES:
+            rows = self._rows("job_browse_state", {**params, "limit": limit + 1})
+            return Browsed(rows[:limit], rows[limit - 1]["id"] if len(rows) > limit else None,
+                           True, None)
+        low, n = self._one("job_window", {**params, "scan": scan})
+        if low is None:
+            return Browsed([], None, True, None)
+        rows = self._rows("job_browse_window", {**params, "id_from": low, "limit": limit + 1})
+        if len(rows) > limit:
+            return Browsed(rows[:limit], rows[limit - 1]["id"], False, None)
+        if n < scan:  # the window reached the lower end of the range: nothing older
+            return Browsed(rows, None, True, None)
+        return Browsed(rows, low, False, time_of(low))
+
+    def count_matching(self, match: JobFilter, states: Sequence[str]) -> dict[str, int]:
+        """How many jobs of each of ``states`` (small states only) match, exactly."""
+        if not set(states) <= set(SMALL_STATES):
+            raise OperationError(f"only {', '.join(SMALL_STATES)} jobs can be counted here")
+        if match.state is not None:
+            states = [s for s in states if s == match.state]
+        params = match.params()
+        return {state: int(self._one("job_count_matching", {**params, "state": state})[0])
+                for state in states}
+
+    def bulk(self, action: str, match: JobFilter, *, batch_size: int = DEFAULT_BATCH_SIZE,
+             progress: Progress | None = None) -> int:
+        """Retry, discard or cancel every job that matches (:data:`BULK_ACTIONS` says which
+        states each acts on), in batches; returns how many.
+
+        One audit row for the action (the filter, how many matched when it began, how many it
+        changed, batch by batch) and one per job as for a single action, pointing at it ("bulk").
+        Only the jobs there when it began are acted on: those created (cancel) or dead (retry,
+        discard) since are left alone.
+        """
+        if action not in BULK_ACTIONS:
+            raise OperationError(f"unknown bulk action {action!r}: use one of "
+                                 f"{', '.join(BULK_ACTIONS)}")
+        if batch_size < 1:
+            raise OperationError(f"batch size must be at least 1, not {batch_size}")
+        before = self._db_now()
+        found = sum(self.count_matching(match, BULK_ACTIONS[action]).values())
+        bulk = self._one("audit_insert", {
+            "actor": self.actor, "action": f"jobs.bulk_{action}", "target": None,
+            "detail": Jsonb({"via": self.via, "filter": match.describe(), "found": found,
+                             "done": 0})})[0]
+        done = 0
+        while True:
+            if action == "cancel":
+                n = int(self._one("job_cancel_matching", {
+                    **self._base(), **match.params(), "limit": batch_size, "before": before,
+                    "bulk": bulk})[0])
+            else:
+                n = self._resolve(action, None, match, batch_size, before, bulk).changed
+            if n:
+                self._one("audit_bulk_done", {"id": bulk, "done": n})
+                done += n
+                if progress is not None:
+                    progress(done, max(found, done))
+            if n < batch_size:
+                break
+        logger.info("pgbroker: %s bulk %s: %d job(s) matching %s", self.actor, action, done,
+                    match.describe())
+        return done
+
     def dead(self, queue: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """Dead letters, most recent first, each with a ``poison`` flag."""
         rows = self._rows("dead_list", {"queue": queue, "limit": limit})
@@ -207,10 +364,11 @@ class Operations:
     def _db_now(self) -> Any:
         return self._one("metrics_clock", {"lag": 0})[0]
 
-    def _resolve(self, action: str, ids: list[uuid.UUID] | None, queue: str | None,
-                 limit: int, before: Any = None) -> _Resolved:
-        row = self._one("dead_resolve", {**self._base(), "action": action, "ids": ids,
-                                         "queue": queue, "limit": limit, "before": before})
+    def _resolve(self, action: str, ids: list[uuid.UUID] | None, match: JobFilter,
+                 limit: int, before: Any = None, bulk: int | None = None) -> _Resolved:
+        row = self._one("dead_resolve", {**self._base(), **match.params(), "action": action,
+                                         "ids": ids, "limit": limit, "before": before,
+                                         "bulk": bulk})
         return _Resolved(int(row[0]), int(row[1]))
 
     def retry_dead(self, job_id: str | uuid.UUID) -> None:
@@ -223,7 +381,7 @@ class Operations:
 
     def _one_dead(self, action: str, job_id: str | uuid.UUID, verb: str) -> None:
         jid = job_id if isinstance(job_id, uuid.UUID) else parse_job_id(job_id)
-        if not self._resolve(action, [jid], None, 1).changed:
+        if not self._resolve(action, [jid], JobFilter(), 1).changed:
             raise self._refuse(jid, ("dead",), verb)
         logger.info("pgbroker: %s %s dead job %s", self.actor, verb, jid)
 
@@ -250,7 +408,7 @@ class Operations:
         done = 0
         while True:
             # Each batch is its own statement: it commits, and the next one finds what is left.
-            n = self._resolve(action, None, queue, batch_size, before).changed
+            n = self._resolve(action, None, JobFilter(queue=queue), batch_size, before).changed
             done += n
             if n:
                 if progress is not None:

@@ -1,4 +1,5 @@
-"""The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning.
+"""The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning, and
+the per-minute statistics of the admin page's charts.
 
 ``Sweeper.run_once()`` does one pass and returns what it changed; it runs inside every consuming
 worker (from its lease thread) and as ``pgbroker sweep``. Several sweepers at once are safe: every
@@ -41,6 +42,7 @@ class SweepResult:
     pruned: int = 0       # finished rows past the retention window
     queues: int = 0       # idle queues past their x-expires, deleted
     broadcasts: int = 0   # broadcast rows past their minute
+    statistics: int = 0   # rows of the admin page's per-minute statistics written
 
     def __bool__(self) -> bool:
         return any(vars(self).values())
@@ -66,8 +68,9 @@ class Sweeper:
                 break
         queues = self.store.expire_queues()
         broadcasts = self.store.prune_broadcasts()
+        statistics = self.store.rollup()  # once a minute, by one sweeper; else it writes nothing
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
-                             broadcasts)
+                             broadcasts, statistics)
         if rescued or buried:
             logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
                            "%d consumer(s) removed", rescued, buried, consumers)

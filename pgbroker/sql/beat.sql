@@ -171,6 +171,16 @@ SET enabled = %(enabled)s, updated_at = now()
 WHERE name = %(name)s AND enabled IS DISTINCT FROM %(enabled)s
 RETURNING name;
 
+-- name: beat_entry_run_now
+-- Fire an enabled entry at the beats' next tick: its next occurrence becomes now. The one after
+-- is the grid's next point after now, which is the occurrence it had (it was the first grid
+-- point after the last one fired): a run is added, none is skipped. An entry already due (held
+-- by its overlap policy) keeps its time.
+UPDATE {schema}.beat_schedule
+SET next_occurrence = least(next_occurrence, now()), updated_at = now()
+WHERE name = %(name)s AND enabled AND removed_at IS NULL
+RETURNING next_occurrence;
+
 -- name: beat_entry_delete
 DELETE FROM {schema}.beat_schedule
 WHERE name = %(name)s

@@ -164,8 +164,10 @@ LIMIT %(limit)s;
 
 -- name: dead_resolve
 -- Retry (action 'retry') or discard (action 'discard') dead jobs: the ids given, or else up to
--- %(limit)s of a queue's (or every queue's) dead letters. One audit row per job keeps what the job
--- loses: its error, traceback and attempts (the history of its failures).
+-- %(limit)s of the dead letters that match the filter (queue, and for the admin page's bulk
+-- actions task, id range and text: see job_browse_state in admin.sql). One audit row per job
+-- keeps what the job loses: its error, traceback and attempts (the history of its failures);
+-- %(bulk)s is the id of the bulk action's own audit row, if any.
 WITH picked AS MATERIALIZED (
     -- state = 'dead' as a constant: jobs_dead_idx serves it. FOR UPDATE SKIP LOCKED: two
     -- operators retrying at once never handle one job twice, and a batch never waits.
@@ -174,6 +176,11 @@ WITH picked AS MATERIALIZED (
     WHERE state = 'dead'
       AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
       AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+      AND (%(task)s::text IS NULL OR task = %(task)s)
+      AND id >= %(id_from)s AND id < %(id_to)s
+      AND (%(text)s::text IS NULL OR position(%(text_bytes)s::bytea IN body) > 0
+           OR headers ->> 'argsrepr' ILIKE %(text_like)s
+           OR headers ->> 'kwargsrepr' ILIKE %(text_like)s)
       -- "all" means those dead when the operation began: a retried job that fails again at
       -- once is not retried again by the next batch (no loop with a fast worker)
       AND (%(before)s::timestamptz IS NULL OR updated_at <= %(before)s::timestamptz)
@@ -200,6 +207,8 @@ WITH picked AS MATERIALIZED (
            jsonb_build_object('via', %(via)s::text, 'queue', p.queue, 'task', p.task,
                               'task_id', p.task_id, 'attempts', p.attempts,
                               'last_error', p.last_error, 'last_traceback', p.last_traceback)
+           || CASE WHEN %(bulk)s::bigint IS NULL THEN '{}'::jsonb
+                   ELSE jsonb_build_object('bulk', %(bulk)s::bigint) END
     FROM picked AS p
     WHERE p.id IN (SELECT id FROM retried UNION ALL SELECT id FROM discarded)
     RETURNING 1

@@ -92,7 +92,8 @@ WITH candidates AS MATERIALIZED (
         -- an attempt is spent at claim: a job that kills its worker has used it up, so a
         -- poison job cannot loop
         attempts = CASE WHEN j.state = 'pending' THEN j.attempts + 1 ELSE j.attempts END,
-        locked_at = CASE WHEN j.state = 'pending' THEN now() END,
+        -- the claim's time stays at the ack: the admin page's run times (claim -> ack)
+        locked_at = CASE WHEN j.state = 'pending' THEN now() ELSE j.locked_at END,
         locked_by = CASE WHEN j.state = 'pending' THEN %(consumer)s ELSE j.locked_by END,
         updated_at = now()
     FROM (SELECT ARRAY(SELECT id FROM candidates) AS ids) AS c
@@ -117,9 +118,10 @@ WHERE state = 'running';  -- the claimed rows, not the acked ones
 -- A job revoked while it was claimed (job_revoke) ends 'cancelled', whatever its task did: the
 -- worker discarded it, terminated it, or ran it to its end (its error, if any, stays).
 UPDATE {schema}.jobs AS j
+-- (locked_at, the claim's time, stays: the admin page's run times are claim -> ack)
 SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
                  WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
-    locked_at = NULL, updated_at = now()
+    updated_at = now()
 FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
 WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
 
@@ -135,7 +137,7 @@ WITH deleted AS (
 ), failed AS (
     UPDATE {schema}.jobs AS j
     SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
-        locked_at = NULL, updated_at = now()
+        updated_at = now()
     FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
     WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
       AND (j.failed_attempt = j.attempts OR j.revoked_at IS NOT NULL)

@@ -502,7 +502,7 @@ def test_serve_on_a_busy_port_says_so_in_one_line(db_url: str) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         done = pgbroker_cli("--database-url", db_url, "serve", "--port", str(port),
-                            env={"PGBROKER_ADMIN_TOKEN": "t0ken"})
+                            env={"PGBROKER_ADMIN_TOKEN": "t0ken-0123456789"})
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     error = done.stderr.splitlines()[-1]
