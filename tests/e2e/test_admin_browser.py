@@ -7,8 +7,9 @@ every page and action: the overview and its live charts, a dead letter retried a
 paused and resumed, the workers page showing what runs right now, a job's history across Celery's
 retries, the jobs browser with a bulk retry (confirmed, with its count) and a bulk cancel, beat's
 entries disabled and run now; a viewer sees the same pages without a single action, and a cookie
-saved before a logout opens nothing after it. The test saves the screenshots the docs show
-(docs/admin*.png); an hour of history is inserted first, as the transport leaves it, so that the
+saved before a logout opens nothing after it. The test takes the screenshots the docs show
+(docs/admin*.png): into the test's own directory, or into docs/ with PGBROKER_SCREENSHOTS=docs
+(so that a test run never changes the checkout); an hour of history is inserted first, as the transport leaves it, so that the
 charts have something to show.
 """
 
@@ -39,7 +40,6 @@ from tests.integration.test_metrics import LOST, add_job
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-DOCS = REPO_ROOT / "docs"
 USER, PASSWORD = "alice", "correct horse battery"
 VIEWER, VIEWER_PASSWORD = "victor", "look but don't touch"
 
@@ -93,8 +93,18 @@ def new_page(browser, url: str, user: str, password: str):
     return page
 
 
+@pytest.fixture(autouse=True)
+def _shots_dir(tmp_path: Path) -> Iterator[None]:
+    global SHOTS
+    SHOTS = REPO_ROOT / "docs" if os.environ.get("PGBROKER_SCREENSHOTS") == "docs" else tmp_path
+    yield
+
+
+SHOTS = Path()
+
+
 def shot(page, name: str) -> None:
-    page.screenshot(path=str(DOCS / name), full_page=True)
+    page.screenshot(path=str(SHOTS / name), full_page=True)
 
 
 def test_operator_session_in_a_browser(producer, runs: psycopg.Connection, admin_url: str,
