@@ -125,3 +125,22 @@ def test_chord_with_a_failing_header_task_fails_its_callback(
     assert pg.execute("SELECT count(*) FROM public.runs WHERE task = 'collect'"
                       ).fetchone()[0] == 0
     assert chord_unlocks(pg) == 0
+
+
+def test_a_task_replaced_by_itself_runs_every_replacement(
+        client: Celery, worker: WorkerProcess, pg: psycopg.Connection) -> None:
+    # each replacement has the task id and the retries of the task it replaces
+    result = client.tasks[NAME + "nest"].delay(3)
+    assert result.get(timeout=30) == [0, 1, 2, 3]
+    assert pg.execute("SELECT count(*), count(DISTINCT task_id) FROM pgbroker.jobs").fetchone() \
+        == (4, 1)
+
+
+def test_a_chord_body_replaced_by_a_group_completes_the_chord(
+        client: Celery, worker: WorkerProcess, pg: psycopg.Connection) -> None:
+    add, fan = client.tasks[NAME + "add"], client.tasks[NAME + "fan"]
+    result = chord([add.s(1, 1), add.s(2, 2)])(fan.s())
+    # the group's results, gathered by celery.accumulate under the body's task id
+    assert result.get(timeout=30) == [3, 5]
+    assert pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE task_id = %s",
+                      (result.id,)).fetchone()[0] == 2  # the body and its accumulate
