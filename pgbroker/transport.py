@@ -53,11 +53,11 @@ from kombu.utils.objects import cached_property
 from . import _db, _revoke
 from ._lease import Lease
 from ._messages import (
-    DELIVERY_HEADER,
     MAX_NAME_LENGTH,
     REQUEUED,
     TRANSIENT,
     _delivery_tag,
+    due_now,
     kombu_payload,
     message_to_job,
     parse_delivery_tag,
@@ -68,7 +68,7 @@ from .enqueue import _current_target
 from .errors import DatabaseUnavailable
 from .settings import Settings
 
-__all__ = ["Transport", "Channel", "QoS", "Message", "DELIVERY_HEADER", "MAX_NAME_LENGTH",
+__all__ = ["Transport", "Channel", "QoS", "Message", "MAX_NAME_LENGTH",
            "message_to_job", "parse_delivery_tag", "validate_queue_name"]
 
 logger = logging.getLogger(__name__)
@@ -484,10 +484,7 @@ class Channel(virtual.Channel):
                 raise TypeError("headers and properties must be JSON objects")
             tag = _delivery_tag(row.id, row.attempt,
                                 row.properties.get("delivery_mode") == TRANSIENT)
-            # The database found this job due by its own clock: without the eta header, a
-            # worker whose clock is behind does not hold it in memory until its clock agrees.
-            headers = row.headers if "eta" not in row.headers else {
-                k: v for k, v in row.headers.items() if k != "eta"}
+            headers = due_now(row.headers)  # due by the database clock: by this one too
             return kombu_payload(row.body, row.content_type, row.content_encoding, headers,
                                  row.properties, row.exchange, row.routing_key, row.priority,
                                  tag, redelivered=row.attempt > 1)

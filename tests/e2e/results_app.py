@@ -61,6 +61,12 @@ def fan(self, results: list[int]) -> None:
     raise self.replace(group(self.app.tasks[NAME + "add"].s(r, 1) for r in results))
 
 
+def request_view(self) -> dict[str, Any]:
+    """What the task sees of its own message: its custom headers, eta and expires."""
+    return {"headers": self.request.headers, "eta": self.request.eta,
+            "expires": self.request.expires}
+
+
 def make_app(url: str, **conf: Any) -> Celery:
     """An app with ``broker_url = result_backend = url``, the test tasks registered, and
     ``conf`` on top of the defaults below."""
@@ -74,7 +80,7 @@ def make_app(url: str, **conf: Any) -> Celery:
     )
     app.conf.update(conf)
 
-    for func in (add, fail, collect, touch, nest, fan):
+    for func in (add, fail, collect, touch, nest, fan, request_view):
         app.task(bind=True, name=NAME + func.__name__)(func)
     return app
 
