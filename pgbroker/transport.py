@@ -363,6 +363,7 @@ class Channel(virtual.Channel):
         if no_ack:
             self._no_ack.add(queue)
         self._more = True
+        self.transport.reset_credit()
         self.transport.request_turn()
         self.transport.schedule_due(self.store.next_due([queue]))
         return result
@@ -375,6 +376,7 @@ class Channel(virtual.Channel):
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
+        self.transport.reset_credit()
         if queue is not None and queue not in self._active_queues:
             self._no_ack.discard(queue)
             if "lease" in self.transport.__dict__:
@@ -552,6 +554,8 @@ class Transport(virtual.Transport):
         self._draining: int | None = None
         #: claimed or broadcast messages waiting for drain_events (synchronous path only)
         self._ready: collections.deque[tuple[Channel, dict[str, Any], str]] = collections.deque()
+        #: drain_events calls that return at once, having delivered a batch (see there)
+        self._credit = 0
 
     @staticmethod
     def _conninfo(client: Any) -> str:
@@ -852,8 +856,7 @@ class Transport(virtual.Transport):
 
     def hand_over(self, channel: Channel, payload: dict[str, Any], queue: str) -> None:
         """Deliver now inside the worker's event loop; on the synchronous path, keep it for
-        ``drain_events``, which hands over one message per call (kombu's mailbox counts replies
-        by calls, so a batch in one call would make it wait for replies it already has)."""
+        ``drain_events``."""
         if self._loop is not None:
             self._deliver(payload, queue)
         else:
@@ -871,6 +874,14 @@ class Transport(virtual.Transport):
             channel.store.requeue(deliveries, "restored unacked")
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Deliver everything one claim returned (and the broadcasts read meanwhile), highest
+        priority first, then return; or wait for a notification, a due time or the poll.
+
+        kombu's Mailbox (``celery inspect``/``control`` with a limit of replies) counts replies
+        by calls: after a call that delivered n messages, the next n - 1 calls that find
+        nothing to deliver return at once instead of waiting, so it does not wait its timeout
+        for replies it already has. A new or cancelled consumer starts the count again.
+        """
         deadline = None if timeout is None else monotonic() + timeout
         while True:
             if not self._ready:
@@ -878,15 +889,10 @@ class Transport(virtual.Transport):
                     if channel._more and channel._active_queues:
                         channel.claim_and_deliver()
             if self._ready:
-                _, payload, queue = self._ready.popleft()
-                self._draining = threading.get_ident()
-                try:
-                    self._deliver(payload, queue)
-                finally:
-                    self._draining = None
-                    if not self._ready:  # the batch is done: its acks in one statement
-                        for channel in self.channels:
-                            channel.flush_acks()
+                self._deliver_ready()
+                return
+            if self._credit:
+                self._credit -= 1
                 return
             self._refresh_due()
             now = monotonic()
@@ -905,6 +911,28 @@ class Transport(virtual.Transport):
                 wait = min(wait, deadline - now)
             if _wait_readable(self._listen().fileno(), max(wait, 0)):
                 self._read_notifications()
+
+    def _deliver_ready(self) -> None:
+        """Hand over what is ready, highest priority first (a claim of several queues, and
+        broadcasts, are merged); the acks made in the callbacks go in one statement at the end.
+        A callback that raises leaves the rest for the next call."""
+        batch = sorted(self._ready, key=lambda item: -item[1]["properties"].get("priority", 0))
+        self._ready.clear()
+        self._ready.extend(batch)
+        self._credit = len(batch) - 1
+        self._draining = threading.get_ident()
+        try:
+            for _ in range(len(batch)):
+                _, payload, queue = self._ready.popleft()
+                self._deliver(payload, queue)
+        finally:
+            self._draining = None
+            for channel in self.channels:
+                channel.flush_acks()
+
+    def reset_credit(self) -> None:
+        """A consumer started or stopped: ``drain_events``'s next empty call waits again."""
+        self._credit = 0
 
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None

@@ -7,6 +7,8 @@ expiry is decided by the database clock (rows are aged with SQL instead of sleep
 
 from __future__ import annotations
 
+import socket
+
 from collections.abc import Iterator
 from typing import Any
 
@@ -253,17 +255,33 @@ def test_transient_replies_are_deleted_on_ack_and_no_ack_at_claim(
         assert counts(pg) == {"completed": 1}
 
 
-def test_one_drain_events_call_delivers_one_message(broker_url: str,
-                                                    pg: psycopg.Connection) -> None:
-    # kombu.pidbox.Mailbox._collect(limit=N) calls drain_events N times and stops: with two
-    # replies claimed by the first call, the second waits for a third until the timeout.
+def test_one_drain_events_call_delivers_a_claim_and_the_next_calls_count_it(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    # Everything one claim returned is delivered by one call, highest priority first.
+    # kombu.pidbox.Mailbox._collect(limit=N) counts replies by drain_events calls: with two
+    # replies delivered by its first call, its second call must not wait its timeout for a
+    # third. It returns at once, delivering nothing; the one after waits again.
     with connect(broker_url) as conn:
         producer = kombu.Producer(conn.default_channel)
-        for n in range(2):
-            producer.publish({"reply": n}, routing_key="replies", delivery_mode=TRANSIENT)
+        for n in range(3):
+            producer.publish({"reply": n}, routing_key="replies", delivery_mode=TRANSIENT,
+                             priority=n % 2)
         collector = Collector(conn, ["replies"], no_ack=True)
         conn.drain_events(timeout=10)
-        assert collector.bodies == [{"reply": 0}]
+        assert collector.bodies == [{"reply": 1}, {"reply": 0}, {"reply": 2}]
+        conn.drain_events(timeout=60)  # (would raise socket.timeout after a minute)
+        conn.drain_events(timeout=60)
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.2)
+        assert len(collector.bodies) == 3
+        # a cancelled consumer (the end of a Mailbox call) starts the count again
+        producer.publish({"reply": 3}, routing_key="replies", delivery_mode=TRANSIENT)
+        producer.publish({"reply": 4}, routing_key="replies", delivery_mode=TRANSIENT)
+        conn.drain_events(timeout=10)
+        assert len(collector.bodies) == 5
+        collector.cancel()
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.2)
 
 
 # -- queue arguments -------------------------------------------------------------------------------

@@ -400,23 +400,30 @@ def test_a_notification_wakes_a_consumer_without_polling(broker_url: str, pg: ps
 
 def test_drain_events_writes_the_acks_of_a_claimed_batch_together(
         broker_url: str, pg: psycopg.Connection) -> None:
-    """Outside an event loop, acks made in ``drain_events`` callbacks wait for the last message
-    of the claimed batch to be handed over, then go out in one statement; an ack made outside
-    ``drain_events`` is written at once."""
+    """Outside an event loop, one ``drain_events`` call hands over everything one claim
+    returned; the acks made in its callbacks go out together, in one statement, once the last
+    one was handed over. An ack made outside ``drain_events`` is written at once."""
     with connect(broker_url) as conn:
         for n in range(5):
             publish(conn, n, "batch")
-        collector = Collector(conn, ["batch"], ack=True, prefetch_count=5)
-        collector.take(2)
-        assert counts(pg) == {"running": 5}  # claimed together; two acks waiting
-        collector.take(3)
-        assert counts(pg) == {"completed": 5}
+        seen: list[Any] = []
 
-        publish(conn, "late", "batch")
-        collector.ack = False
-        [(_, message)] = collector.take(1)
-        message.ack()
-        assert counts(pg) == {"completed": 6}
+        def ack_and_look(body: Any, message: kombu.Message) -> None:
+            if body != "late":
+                message.ack()
+            seen.append((body, message, counts(pg)))
+
+        with kombu.Consumer(conn.default_channel, [kombu.Queue("batch")], accept=["json"],
+                            callbacks=[ack_and_look], prefetch_count=5):
+            conn.drain_events(timeout=10)
+            assert [body for body, _, _ in seen] == list(range(5))
+            assert [states for _, _, states in seen] == [{"running": 5}] * 5
+            assert counts(pg) == {"completed": 5}
+
+            publish(conn, "late", "batch")
+            drain_until(conn, lambda: len(seen) == 6)
+            seen[-1][1].ack()
+            assert counts(pg) == {"completed": 6}
 
 
 # -- delivery identity and the sweeper ------------------------------------------------------------
