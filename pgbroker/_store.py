@@ -17,6 +17,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -50,7 +51,7 @@ ROLLUP_LAG = 10.0
 logger = logging.getLogger(__name__)
 
 #: Statements that create messages: durable unless the user opts into fast publishing.
-_PUBLISHES = frozenset({"job_insert", "job_insert_many", "broadcast_insert"})
+_PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcast_insert"})
 
 #: Parameters of job_insert sent in binary format (bytea).
 _BINARY_PARAMS = frozenset({"body", "message_digest"})
@@ -435,8 +436,10 @@ class Store:
 
     # -- queues ----------------------------------------------------------------------------------
 
-    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None) -> None:
-        self._execute("queue_declare", {"name": name, "arguments": Jsonb(arguments or {})})
+    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None,
+                      durable: bool | None = None, auto_delete: bool | None = None) -> None:
+        self._execute("queue_declare", {"name": name, "arguments": Jsonb(arguments or {}),
+                                        "durable": durable, "auto_delete": auto_delete})
 
     def queue_exists(self, name: str) -> bool:
         row = self._execute("queue_exists", {"name": name}).fetchone()
@@ -522,13 +525,29 @@ class Store:
         """(routing key, queue) of every binding of ``exchange``."""
         return [(r[0], r[1]) for r in self._execute("binding_list", {"exchange": exchange})]
 
-    def broadcast(self, job: NewJob) -> None:
-        """Write one message for every consumer bound to its exchange right now; notify them."""
+    def broadcast(self, job: NewJob, queues: Sequence[str] | None = None) -> None:
+        """Write one message for every consumer bound to its exchange right now (of ``queues``
+        only, if given); notify them."""
         self._execute("broadcast_insert", {
             "id": job.id, "exchange": job.exchange, "routing_key": job.routing_key,
             "body": job.body, "content_type": job.content_type,
             "content_encoding": job.content_encoding, "headers": Jsonb(job.headers),
-            "properties": Jsonb(job.properties), "channel": self.settings.channel})
+            "properties": Jsonb(job.properties), "channel": self.settings.channel,
+            "queues": None if queues is None else list(queues)})
+
+    def fanout(self, job: NewJob) -> None:
+        """A message to the fanout exchange ``job.exchange``: a job in each bound queue that is
+        not auto-delete, a broadcast for the others, in one statement (``job_fanout``)."""
+        rows = self._execute("job_fanout", {**job.params(),
+                                            "channel": self.settings.channel}).fetchall()
+        skipped = [row[0] for row in rows if row[0] is not None]
+        if skipped:
+            self.duplicates([dataclasses.replace(job, queue=queue) for queue in skipped])
+
+    def fanout_queues(self, exchange: str) -> list[tuple[str, bool]]:
+        """(queue, whether a fanout message is a job there) of every queue bound to
+        ``exchange``."""
+        return [(r[0], r[1]) for r in self._execute("fanout_queues", {"exchange": exchange})]
 
     def broadcast_get(self, broadcast_id: uuid.UUID) -> tuple[Any, ...] | None:
         return self._execute("broadcast_get", {"id": broadcast_id}, binary=True).fetchone()

@@ -32,6 +32,7 @@ This module is glue: every statement is in :mod:`pgbroker._store`, every message
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -44,6 +45,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
+import uuid6
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES, TopicExchange
@@ -175,7 +177,7 @@ class _TopicExchange(TopicExchange):
     def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
                 **kwargs: Any) -> None:
         if message["properties"].get("delivery_mode") == TRANSIENT:
-            self.channel._put_fanout(exchange, message, routing_key, **kwargs)
+            self.channel._broadcast(exchange, message)
         else:
             super().deliver(message, exchange, routing_key, **kwargs)
 
@@ -292,13 +294,35 @@ class Channel(virtual.Channel):
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
-        """A broadcast: one row, read by every process consuming a queue bound to ``exchange``.
-        Nobody bound (worker events with no monitor running): nothing is written. A revoke is
-        also written to the jobs it names, bound or not (:mod:`pgbroker._revoke`)."""
+        """A message to a fanout exchange, as AMQP routes it: a job in every bound queue
+        declared without auto-delete (or exclusive), where it waits until consumed; and a
+        broadcast for the auto-delete ones (Celery's mailboxes and ``Broadcast`` queues), which
+        exist only while consumed. Nobody bound: nothing is written. A revoke is also written
+        to the jobs it names, bound or not (:mod:`pgbroker._revoke`)."""
+        job = self.new_job(None, message)
         revoke = _revoke.request_of(exchange, message)
         if revoke is not None:
-            _revoke.apply(self.store, revoke, self.new_job(None, message), via="celery revoke")
+            _revoke.apply(self.store, revoke, job, via="celery revoke")
             return
+        target = _current_target()
+        if target is None:
+            self.store.fanout(job)  # one statement
+            return
+        # inside pgbroker.transaction(db): the jobs are written by the caller's transaction
+        transient = []
+        for queue, stored in self.store.fanout_queues(exchange):
+            if stored:
+                target.add(dataclasses.replace(job, id=uuid6.uuid7(), queue=queue),
+                           self.settings)
+            else:
+                transient.append(queue)
+        if transient:
+            self.store.broadcast(job, transient)
+
+    def _broadcast(self, exchange: str, message: dict[str, Any]) -> None:
+        """A transient message to a topic exchange (worker events): one row, read by every
+        process consuming a queue bound to ``exchange`` whose binding matches. Nobody bound (no
+        monitor running): nothing is written."""
         if not self._bindings(exchange):
             return
         self.store.broadcast(self.new_job(None, message))
@@ -314,7 +338,11 @@ class Channel(virtual.Channel):
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         validate_queue_name(queue)
         if queue not in self._declared:
-            self.store.declare_queue(queue, kwargs.get("arguments") or {})
+            # auto-delete and exclusive queues exist only while consumed (in AMQP): a fanout
+            # message reaches them as a broadcast, never as a job that would wait there
+            transient = bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))
+            self.store.declare_queue(queue, kwargs.get("arguments") or {},
+                                     kwargs.get("durable"), transient)
             self._declared.add(queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
@@ -675,11 +703,12 @@ class Transport(virtual.Transport):
             return 0
         if row is None:  # pruned already
             return 0
-        _, routing_key, body, content_type, content_encoding, headers, properties = row
+        _, routing_key, body, content_type, content_encoding, headers, properties, queues = row
         kind = self.state.exchanges.get(exchange, {}).get("type", "fanout")
         delivered = 0
         for n, (channel, queue, key) in enumerate(bound):
-            if _matches(kind, key, routing_key):
+            # (a fanout's broadcast is for its auto-delete queues: the others got a job)
+            if (queues is None or queue in queues) and _matches(kind, key, routing_key):
                 self.hand_over(channel, kombu_payload(
                     body, content_type, content_encoding, headers, properties, exchange,
                     routing_key, 0, f"b/{broadcast_id}/{n}", redelivered=False), queue)

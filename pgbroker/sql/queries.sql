@@ -323,8 +323,13 @@ WHERE id IN (SELECT id FROM {schema}.jobs
              LIMIT %(limit)s);
 
 -- name: queue_declare
-INSERT INTO {schema}.queues (name, arguments) VALUES (%(name)s, %(arguments)s)
-ON CONFLICT (name) DO UPDATE SET last_used_at = now();
+-- The first declaration decides the queue's flags, as in AMQP (a row a binding created first,
+-- or an older pgbroker, has none yet: they are filled in).
+INSERT INTO {schema}.queues AS q (name, arguments, durable, auto_delete)
+VALUES (%(name)s, %(arguments)s, %(durable)s, %(auto_delete)s)
+ON CONFLICT (name) DO UPDATE SET last_used_at = now(),
+                                 durable = coalesce(q.durable, EXCLUDED.durable),
+                                 auto_delete = coalesce(q.auto_delete, EXCLUDED.auto_delete);
 
 -- name: queue_exists
 SELECT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import kombu
 import psycopg
 import pytest
 from celery import Celery, chain, group
@@ -176,3 +177,16 @@ def test_the_sweeper_folds_the_counter_rows_and_keeps_the_totals(
     assert pg.execute("SELECT queue, duplicates FROM pgbroker.publish_duplicates ORDER BY queue"
                       ).fetchall() == [("a", 3), ("b", 1)]
     assert deduplicated(pg) == {"a": 3, "b": 1}
+
+
+def test_the_same_message_to_a_fanout_exchange_is_one_job_per_queue(
+        app: Celery, pg: psycopg.Connection) -> None:
+    exchange = kombu.Exchange("fan_r", type="fanout")
+    with app.connection_for_write() as conn:
+        for name in ("fr1", "fr2"):
+            kombu.Queue(name, exchange)(conn.default_channel).declare()
+    step = app.tasks["t.step"]
+    for _ in range(2):
+        step.apply_async((1,), task_id="f", exchange="fan_r", routing_key="x")
+    assert sorted(r[0] for r in pg.execute("SELECT queue FROM pgbroker.jobs")) == ["fr1", "fr2"]
+    assert deduplicated(pg) == {"fr1": 1, "fr2": 1}
