@@ -14,8 +14,10 @@ Connection String
 =================
 .. code-block::
 
-    pgbroker://USER:PASSWORD@HOST:PORT/DBNAME?libpq_option=value
-    pgbroker+postgresql://USER:PASSWORD@HOST:PORT/DBNAME   (any libpq URL after the '+')
+    pgbroker://USER:PASSWORD@HOST:PORT/DBNAME      (parsed by kombu, like amqp://)
+    pgbroker+postgresql://USER@HOST1:PORT1,HOST2:PORT2/DBNAME?target_session_attrs=read-write
+                                                   (any libpq URL after the '+', options too)
+    pgbroker://USER@HOST1/DB;pgbroker://USER@HOST2/DB   (kombu's failover alternates)
 
 Transport Options
 =================
@@ -42,7 +44,6 @@ import threading
 import uuid
 from time import monotonic
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
 import uuid6
@@ -545,7 +546,11 @@ class Transport(virtual.Transport):
 
     Channel = Channel
 
-    can_parse_url = True
+    #: kombu parses a pgbroker:// URL into the connection's fields (host, port, user,
+    #: password, database), as it does amqp://, so failover alternates ("pgbroker://a;
+    #: pgbroker://b") report the URL in use. A libpq URL goes after "pgbroker+" (query
+    #: options, several hosts): kombu leaves that part alone.
+    can_parse_url = False
     default_port = 5432
     driver_type = "postgresql"
     driver_name = "psycopg"
@@ -587,23 +592,26 @@ class Transport(virtual.Transport):
 
     @staticmethod
     def _conninfo(client: Any) -> str:
-        hostname = client.hostname or "localhost"
-        if "://" in hostname:
-            # Keep the password out of the URL kombu shows (inspect stats prints the hostname):
-            # it moves to kombu's password field, which Celery never prints.
+        hostname = client.hostname
+        if hostname and "://" in hostname:  # pgbroker+postgresql://...: a libpq URL
+            # Keep the password out of the URL kombu shows (inspect stats prints the hostname,
+            # as_uri formats it): it moves to kombu's password field, which Celery never
+            # prints, and the URL keeps "**" where it was.
             bare, password = _db.split_password(hostname)
             if password is not None:
-                client.hostname = bare
+                client.hostname = _db.mask_password(hostname)
                 client.password = client.password or password
-            url = _db.libpq_url(client.hostname)
+            url = _db.libpq_url(bare)
             if client.password:
                 return psycopg.conninfo.make_conninfo(url, password=client.password)
             return url
-        if "=" in hostname:  # a key=value conninfo string
+        if hostname and "=" in hostname:  # a key=value conninfo string
             return hostname
+        # a pgbroker:// URL kombu parsed, or separate arguments; no host ("pgbroker://"):
+        # libpq's defaults (PGHOST, the local socket)
         dbname = client.virtual_host if client.virtual_host not in (None, "", "/") else None
         return psycopg.conninfo.make_conninfo(
-            host=hostname, port=client.port or 5432, user=client.userid or None,
+            host=hostname or None, port=client.port or None, user=client.userid or None,
             password=client.password or None, dbname=dbname)
 
     @cached_property
@@ -615,18 +623,6 @@ class Transport(virtual.Transport):
 
     def driver_version(self) -> str:
         return psycopg.__version__
-
-    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        shown = uri if include_password else _db.mask_password(uri, mask)
-        password = self.client.password  # moved out of the URL by _conninfo
-        if password and "://" in uri:
-            bare = urlsplit(shown)
-            user, _, host = bare.netloc.rpartition("@")
-            if user:
-                secret = quote(password, safe="") if include_password else mask
-                shown = urlunsplit(bare._replace(netloc=f"{user.split(':')[0]}:{secret}@{host}"))
-        prefix = getattr(self.client, "uri_prefix", None)  # pgbroker+postgresql://...
-        return f"{prefix}+{shown}" if prefix else shown
 
     # -- connection ------------------------------------------------------------------------------
 
