@@ -18,11 +18,12 @@ import psycopg
 import pytest
 from celery import Celery, chain, group
 from celery.exceptions import Ignore
+from prometheus_client import generate_latest
 
 import pgbroker
 from pgbroker._store import Store
 from pgbroker.errors import DatabaseUnavailable
-from pgbroker.metrics import MetricsReader
+from pgbroker.metrics import MetricsReader, prometheus_registry
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
 
@@ -177,6 +178,9 @@ def test_the_sweeper_folds_the_counter_rows_and_keeps_the_totals(
     assert pg.execute("SELECT queue, duplicates FROM pgbroker.publish_duplicates ORDER BY queue"
                       ).fetchall() == [("a", 3), ("b", 1)]
     assert deduplicated(pg) == {"a": 3, "b": 1}
+    text = generate_latest(prometheus_registry(lambda: MetricsReader().snapshot(pg))).decode()
+    assert 'pgbroker_publish_duplicates_total{queue="a"} 3.0' in text
+    assert 'pgbroker_publish_duplicates_total{queue="b"} 1.0' in text
 
 
 def test_the_same_message_to_a_fanout_exchange_is_one_job_per_queue(

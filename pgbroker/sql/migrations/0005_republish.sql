@@ -17,10 +17,13 @@
 -- Operational caveats:
 -- * CREATE UNIQUE INDEX holds a SHARE lock on jobs while it is built: publishes, claims and acks
 --   wait for it (about a second per million rows). On a large table build it beforehand, by hand,
---   without blocking (the statement below then finds it and does nothing):
+--   without blocking (the statements below then find it all done):
+--       ALTER TABLE pgbroker.jobs ADD COLUMN IF NOT EXISTS message_digest bytea;
 --       CREATE UNIQUE INDEX CONCURRENTLY jobs_message_idx
 --           ON pgbroker.jobs (task_id, queue, message_digest) WHERE task_id IS NOT NULL;
---   and drop the old one likewise: DROP INDEX CONCURRENTLY pgbroker.jobs_task_delivery_idx;
+--       DROP INDEX CONCURRENTLY pgbroker.jobs_task_delivery_idx;
+--   (the old index is then gone before the code that no longer needs it runs: pgbroker's own
+--   older versions still insert correctly, without their publish dedupe, until upgraded)
 -- * ADD COLUMN without a default changes only the catalog, but waits for an ACCESS EXCLUSIVE lock
 --   on jobs, queues and broadcasts (behind any long transaction reading them).
 -- * Rows written before (and by a pgbroker older than this one, during a rolling upgrade) have
