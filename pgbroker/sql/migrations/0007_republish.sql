@@ -1,4 +1,4 @@
--- 0005 republish: a publish is a duplicate only when it is the same message; fanout exchanges
+-- 0007 republish: a publish is a duplicate only when it is the same message; fanout exchanges
 -- store their messages in durable bound queues.
 --
 -- 1. The publish dedupe key was (task_id, retries, queue): it took Task.replace() (same task id,
