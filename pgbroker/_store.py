@@ -7,6 +7,7 @@ psycopg serialises calls from several threads (an ack from a thread pool, a hear
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,7 +18,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -116,7 +116,8 @@ class NewJob:
     def text_params(self) -> dict[str, bytes | None]:
         """:meth:`params` as text-format parameters (the body and the digest stay bytes: binary
         format)."""
-        headers, properties = json.dumps(self.headers).encode(), json.dumps(self.properties).encode()
+        headers = json.dumps(self.headers).encode()
+        properties = json.dumps(self.properties).encode()
         return {
             "id": str(self.id).encode(), "queue": self.queue.encode(), "task": _text(self.task),
             "task_id": _text(self.task_id), "retries": b"%d" % self.retries,
