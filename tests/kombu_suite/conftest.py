@@ -15,9 +15,10 @@ from tests.kombu_suite import sdist
 
 def pytest_configure(config: pytest.Config) -> None:
     # pytest's cache survives between the test modules of a run (and between runs on a
-    # developer's machine): the sdist is downloaded once.
-    if config.cache is not None:
-        sdist.cache_dir = config.cache.mkdir("kombu-sdist")
+    # developer's machine): the sdist is downloaded once. (-p no:cacheprovider: a tmp dir.)
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        sdist.cache_dir = cache.mkdir("kombu-sdist")
 
 
 def _url(db_url: str, port: int | None = None) -> str:

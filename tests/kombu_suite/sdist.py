@@ -12,6 +12,7 @@ import importlib.util
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -45,7 +46,7 @@ def load_common() -> ModuleType:
         RuntimeError: the sdist could not be downloaded or has no such file (the reason says
             why; the caller skips the suite with it).
     """
-    into = cache_dir or Path(__import__("tempfile").gettempdir()) / "pgbroker-kombu-sdist"
+    into = cache_dir or Path(tempfile.gettempdir()) / "pgbroker-kombu-sdist"
     into.mkdir(parents=True, exist_ok=True)
     version = kombu.__version__
     target = into / f"kombu-{version}-common.py"
