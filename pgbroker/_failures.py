@@ -20,7 +20,7 @@ from typing import Any
 
 from celery import signals
 
-from ._messages import DELIVERY_HEADER, parse_delivery_tag
+from ._messages import parse_delivery_tag
 from ._store import Store
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,11 @@ def _store_for(app: Any) -> Store | None:
 def on_task_failure(sender: Any = None, exception: BaseException | None = None,
                     einfo: Any = None, **_: Any) -> None:
 
-    request = getattr(sender, "request", None)
-    tag = getattr(request, DELIVERY_HEADER, None) if request is not None else None
-    if not tag:
+    # Celery gives the task the message's properties, with the delivery tag pgbroker made
+    # ("<job id>/<attempt>"): the headers stay as the producer sent them.
+    properties = getattr(getattr(sender, "request", None), "properties", None)
+    tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
+    if not isinstance(tag, str) or "/" not in tag:
         return  # not delivered by pgbroker
     try:
         delivery = parse_delivery_tag(tag)

@@ -16,8 +16,8 @@ from ._store import NewJob
 from .errors import IdempotencyKeyRequired, MessageError
 from .settings import Settings
 
-__all__ = ["MAX_NAME_LENGTH", "DELIVERY_HEADER", "TRANSIENT", "REQUEUED", "validate_queue_name",
-           "parse_delivery_tag", "message_to_job", "kombu_payload"]
+__all__ = ["MAX_NAME_LENGTH", "TRANSIENT", "REQUEUED", "validate_queue_name",
+           "parse_delivery_tag", "message_to_job", "kombu_payload", "due_now"]
 
 #: Longest queue, exchange or routing key name accepted (Celery's reply queues are ~55 characters).
 MAX_NAME_LENGTH = 1000
@@ -30,9 +30,6 @@ TRANSIENT = 1  # AMQP delivery_mode of messages that need not survive (replies, 
 #: what it means in a worker.
 REQUEUED = ("requeued by the worker: its pool process was lost (killed or out of memory, with "
             "task_reject_on_worker_lost), or the task raised Reject(requeue=True)")
-
-#: Header carrying "<job id>/<attempt>" to the task (and so to the failure hook).
-DELIVERY_HEADER = "pgbroker_delivery"
 
 
 def validate_queue_name(name: Any, what: str = "queue") -> str:
@@ -100,8 +97,6 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
     headers = message.get("headers") or {}
     if not isinstance(headers, dict):
         raise MessageError(f"message headers must be a dict, not {type(headers).__name__}")
-    if DELIVERY_HEADER in headers:  # a retry's copy of its original's delivery: not ours
-        headers = {k: v for k, v in headers.items() if k != DELIVERY_HEADER}
     properties = dict(message.get("properties") or {})
     info = properties.get("delivery_info") or {}
     for what in ("exchange", "routing_key"):
@@ -159,10 +154,35 @@ def _priority(message: dict[str, Any]) -> int:
         return 0
 
 
+def due_now(headers: dict[str, Any]) -> dict[str, Any]:
+    """The headers of a job the database found due, for the worker about to receive it.
+
+    Celery puts a task with an ``eta`` in a timer on the worker's own clock
+    (celery/worker/strategy.py). The task sees the producer's ``eta`` exactly when this clock
+    agrees that it has passed; on a clock that is behind the database's, the ``eta`` becomes
+    this clock's now, so the job starts at once instead of waiting in the worker's memory for
+    the clock to catch up (``self.request.eta`` is then up to the skew earlier than sent).
+    """
+    eta = headers.get("eta")
+    if not isinstance(eta, str):
+        return headers
+    try:
+        when = datetime.fromisoformat(eta)
+    except ValueError:
+        return headers  # not Celery's: left to the consumer, as it was sent
+    now = datetime.now(timezone.utc)
+    if (when if when.tzinfo else when.replace(tzinfo=timezone.utc)) <= now:
+        return headers
+    return {**headers, "eta": now.isoformat()}
+
+
 def kombu_payload(body: bytes, content_type: str | None, content_encoding: str | None,
                   headers: dict[str, Any], properties: dict[str, Any], exchange: str,
                   routing_key: str, priority: int, tag: str, redelivered: bool) -> dict[str, Any]:
-    """The message as kombu's virtual channels hand it to consumers."""
+    """The message as kombu's virtual channels hand it to consumers: the headers exactly as
+    the producer sent them. The delivery's identity ("<job id>/<attempt>") is the delivery tag,
+    in the properties, which Celery hands to the task too (``task.request.properties``: the
+    failure hook, pgbroker._failures, reads it there)."""
     properties = {**properties, "delivery_tag": tag, "priority": priority, "delivery_info": {
         "exchange": exchange, "routing_key": routing_key, "priority": priority,
         "redelivered": redelivered,
@@ -171,8 +191,6 @@ def kombu_payload(body: bytes, content_type: str | None, content_encoding: str |
         "body": bytes(body),
         "content-type": content_type,
         "content-encoding": content_encoding,
-        # The delivery's identity travels in a header too: Celery hands the task only a
-        # filtered delivery_info, and the failure hook (pgbroker._failures) needs it.
-        "headers": {**headers, DELIVERY_HEADER: tag},
+        "headers": headers,
         "properties": properties,
     }

@@ -7,6 +7,8 @@ psycopg serialises calls from several threads (an ack from a thread pool, a hear
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +35,7 @@ from .migrate import check as check_schema
 from .migrate import migrate as run_migrations
 from .settings import Settings
 
-__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "queries"]
+__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "message_digest", "queries"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -49,7 +51,10 @@ ROLLUP_LAG = 10.0
 logger = logging.getLogger(__name__)
 
 #: Statements that create messages: durable unless the user opts into fast publishing.
-_PUBLISHES = frozenset({"job_insert", "job_insert_many", "broadcast_insert"})
+_PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcast_insert"})
+
+#: Parameters of job_insert sent in binary format (bytea).
+_BINARY_PARAMS = frozenset({"body", "message_digest"})
 
 _BLOCK_RE = re.compile(r"^-- name: (\w+)\s*$", re.M)
 
@@ -105,21 +110,49 @@ class NewJob:
             "properties": Jsonb(self.properties), "priority": self.priority,
             "max_attempts": self.max_attempts, "run_at": self.run_at,
             "expires_at": self.expires_at, "idempotency_key": self.idempotency_key,
+            "message_digest": self.digest(),
         }
 
     def text_params(self) -> dict[str, bytes | None]:
-        """:meth:`params` as text-format parameters (the body stays bytes: binary format)."""
+        """:meth:`params` as text-format parameters (the body and the digest stay bytes: binary
+        format)."""
+        headers = json.dumps(self.headers).encode()
+        properties = json.dumps(self.properties).encode()
         return {
             "id": str(self.id).encode(), "queue": self.queue.encode(), "task": _text(self.task),
             "task_id": _text(self.task_id), "retries": b"%d" % self.retries,
             "exchange": self.exchange.encode(), "routing_key": self.routing_key.encode(),
             "body": self.body, "content_type": _text(self.content_type),
             "content_encoding": _text(self.content_encoding),
-            "headers": json.dumps(self.headers).encode(),
-            "properties": json.dumps(self.properties).encode(), "priority": b"%d" % self.priority,
+            "headers": headers, "properties": properties, "priority": b"%d" % self.priority,
             "max_attempts": b"%d" % self.max_attempts, "run_at": _text(self.run_at),
             "expires_at": _text(self.expires_at), "idempotency_key": _text(self.idempotency_key),
+            "message_digest": message_digest(self, headers, properties),
         }
+
+    def digest(self) -> bytes:
+        """:func:`message_digest` of this message."""
+        return message_digest(self, json.dumps(self.headers).encode(),
+                              json.dumps(self.properties).encode())
+
+
+def message_digest(job: NewJob, headers_json: bytes, properties_json: bytes) -> bytes:
+    """SHA-256 of what the producer sent: body, content type and encoding, exchange, routing key,
+    and the JSON of the headers and properties (``json.dumps``, as stored; the properties hold
+    no ``delivery_tag``, which kombu makes anew for every ``_publish``).
+
+    With the task id and the queue it is the publish dedupe key (``jobs_message_idx``): only a
+    producer's own retry of one publish (kombu's ``ensure`` running ``_publish`` again after the
+    INSERT committed) sends the same message twice. Every Celery re-publish differs from the
+    message it follows: ``Task.retry`` in ``retries`` and ``eta``, ``Task.replace`` in
+    ``replaced_task_nesting`` and the body, canvas members given one explicit id in their
+    arguments. Two identical messages sent on purpose with one explicit task id are one job
+    (the README's "Guarantees and limits").
+    """
+    return hashlib.sha256(b"\0".join((
+        b"%d" % len(job.body), job.body, (job.content_type or "").encode(),
+        (job.content_encoding or "").encode(), job.exchange.encode(), job.routing_key.encode(),
+        headers_json, properties_json))).digest()
 
 
 def _text(value: Any) -> bytes | None:
@@ -137,6 +170,32 @@ def insert_many_params(jobs: Sequence[NewJob], channel: str) -> dict[str, Any]:
         for key, value in job.params().items():
             cols.setdefault(key, []).append(value)
     return {**cols, "channel": channel}
+
+
+def lookup_params(jobs: Sequence[NewJob],
+                  digests: dict[uuid.UUID, bytes] | None = None) -> dict[str, list[Any]]:
+    """Column arrays for ``job_enqueued_ids`` (``digests``: those already made, by job id)."""
+    digests = digests or {}
+    return {
+        "id": [j.id for j in jobs], "task": [j.task for j in jobs],
+        "idempotency_key": [j.idempotency_key for j in jobs], "queue": [j.queue for j in jobs],
+        "task_id": [j.task_id for j in jobs],
+        "message_digest": [digests.get(j.id) or j.digest() for j in jobs],
+    }
+
+
+def log_duplicates(jobs: Sequence[NewJob], found: Sequence[tuple[Any, Any]]) -> None:
+    """A DEBUG line per job that ``job_enqueued_ids`` found to be a duplicate."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    for job, (job_id, matched) in zip(jobs, found, strict=True):
+        if job_id == job.id:
+            continue
+        what = (f"the same message is job {job_id}" if matched == "message" else
+                f"its idempotency key {job.idempotency_key!r} is job {job_id}" if matched else
+                "the job it duplicates was deleted meanwhile")
+        logger.debug("pgbroker: publish of task %r (%s) to queue %r deduplicated: %s",
+                     job.task, job.task_id, job.queue, what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,15 +325,27 @@ class Store:
                 _prepare(pgconn, b"pgbroker_insert", text)
                 self._prepared["job_insert"] = names
             _send(pgconn, b"pgbroker_insert", [params[n] for n in names],
-                  [1 if n == "body" else 0 for n in names])
+                  [1 if n in _BINARY_PARAMS else 0 for n in names])
             results: list[Any] = []
             _collect(pgconn, results, wait=True)
             for result in results:
                 _check(result)
+        if not results[-1].ntuples:  # no NOTIFY: nothing was inserted
+            self.duplicates([job])
 
     def insert_many(self, jobs: Sequence[NewJob]) -> None:
         if jobs:
-            self._execute("job_insert_many", insert_many_params(jobs, self.settings.channel))
+            rows = self._execute("job_insert_many",
+                                 insert_many_params(jobs, self.settings.channel)).fetchall()
+            skipped = {row[0] for row in rows if row[0] is not None}
+            if skipped:
+                self.duplicates([job for job in jobs if job.id in skipped])
+
+    def duplicates(self, jobs: Sequence[NewJob]) -> None:
+        """``jobs`` were skipped by the insert as duplicates: count them (pgbroker stats) and
+        name the jobs they duplicate (DEBUG)."""
+        found = self._execute("job_enqueued_ids", lookup_params(jobs)).fetchall()
+        log_duplicates(jobs, found)
 
     # -- consume ---------------------------------------------------------------------------------
 
@@ -366,8 +437,10 @@ class Store:
 
     # -- queues ----------------------------------------------------------------------------------
 
-    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None) -> None:
-        self._execute("queue_declare", {"name": name, "arguments": Jsonb(arguments or {})})
+    def declare_queue(self, name: str, arguments: dict[str, Any] | None = None,
+                      durable: bool | None = None, auto_delete: bool | None = None) -> None:
+        self._execute("queue_declare", {"name": name, "arguments": Jsonb(arguments or {}),
+                                        "durable": durable, "auto_delete": auto_delete})
 
     def queue_exists(self, name: str) -> bool:
         row = self._execute("queue_exists", {"name": name}).fetchone()
@@ -453,20 +526,40 @@ class Store:
         """(routing key, queue) of every binding of ``exchange``."""
         return [(r[0], r[1]) for r in self._execute("binding_list", {"exchange": exchange})]
 
-    def broadcast(self, job: NewJob) -> None:
-        """Write one message for every consumer bound to its exchange right now; notify them."""
-        p = job.params()
+    def broadcast(self, job: NewJob, queues: Sequence[str] | None = None) -> None:
+        """Write one message for every consumer bound to its exchange right now (of ``queues``
+        only, if given); notify them."""
         self._execute("broadcast_insert", {
             "id": job.id, "exchange": job.exchange, "routing_key": job.routing_key,
             "body": job.body, "content_type": job.content_type,
-            "content_encoding": job.content_encoding, "headers": p["headers"],
-            "properties": p["properties"], "channel": self.settings.channel})
+            "content_encoding": job.content_encoding, "headers": Jsonb(job.headers),
+            "properties": Jsonb(job.properties), "channel": self.settings.channel,
+            "queues": None if queues is None else list(queues)})
+
+    def fanout(self, job: NewJob) -> None:
+        """A message to the fanout exchange ``job.exchange``: a job in each bound queue that is
+        not auto-delete, a broadcast for the others, in one statement (``job_fanout``)."""
+        rows = self._execute("job_fanout", {**job.params(),
+                                            "channel": self.settings.channel}).fetchall()
+        skipped = [row[0] for row in rows if row[0] is not None]
+        if skipped:
+            self.duplicates([dataclasses.replace(job, queue=queue) for queue in skipped])
+
+    def fanout_queues(self, exchange: str) -> list[tuple[str, bool]]:
+        """(queue, whether a fanout message is a job there) of every queue bound to
+        ``exchange``."""
+        return [(r[0], r[1]) for r in self._execute("fanout_queues", {"exchange": exchange})]
 
     def broadcast_get(self, broadcast_id: uuid.UUID) -> tuple[Any, ...] | None:
         return self._execute("broadcast_get", {"id": broadcast_id}, binary=True).fetchone()
 
     def prune_broadcasts(self, ttl: float = 60.0, limit: int = 1000) -> int:
         return self._execute("broadcast_prune", {"ttl": ttl, "limit": limit}).rowcount
+
+    def fold_duplicates(self, limit: int = 1000) -> int:
+        """Fold the duplicate-publish counter rows into one per queue; returns the rows folded."""
+        row = self._execute("publish_duplicates_fold", {"limit": limit}).fetchone()
+        return int(row[0]) if row else 0
 
     def expire_queues(self, limit: int = 100) -> int:
         return self._execute("queue_expire", {"limit": limit}).rowcount

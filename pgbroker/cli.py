@@ -219,15 +219,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     heads = [c.upper().replace("_", " ") for c in counts]
     queues = snap.queues()
     rows = [[q.queue, "yes" if q.paused else "no"] + [getattr(q, c) for c in counts]
-            + [q.consumers] for q in queues]
-    print(_table(["QUEUE", "PAUSED"] + heads + ["CONSUMERS"], rows))
+            + [q.consumers, q.deduplicated] for q in queues]
+    print(_table(["QUEUE", "PAUSED"] + heads + ["CONSUMERS", "DEDUPLICATED"], rows))
     if args.by_task:
         print()
         print(_table(["QUEUE", "TASK"] + heads,
                      [[t.queue, t.task] + [getattr(t, c) for c in counts] for t in snap.tasks]))
     hidden = f"; {snap.hidden} Celery-internal queue(s) not shown" if snap.hidden else ""
     print(f"\nconsumers alive: {snap.consumers_alive}; finished jobs counted over the last "
-          f"{snap.window:g} s; oldest pending age in seconds (database clock){hidden}")
+          f"{snap.window:g} s; oldest pending age in seconds (database clock); deduplicated: "
+          f"publishes dropped as duplicates, ever{hidden}")
     for entry, age in snap.beat.items():
         print(f"beat {entry}: last run {'never' if age is None else f'{age:.0f} s ago'}")
     return 0

@@ -56,7 +56,8 @@ from psycopg.types.json import Jsonb
 
 from . import _db
 from ._messages import message_to_job
-from ._store import NewJob, insert_many_params, queries
+from ._store import (NewJob, insert_many_params, log_duplicates, lookup_params, message_digest,
+                     queries)
 from .errors import ConfigurationError, MessageError, SchemaError
 from .settings import Settings
 
@@ -115,10 +116,11 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         cur = conn.cursor(row_factory=tuple_row)
         cur.execute(q["job_insert"], {**job.params(), "channel": settings.channel})
         # job_insert returns one row per NOTIFY sent: one when the row was inserted, none for a
-        # duplicate (ON CONFLICT DO NOTHING), whose existing job is looked up.
+        # duplicate (ON CONFLICT DO NOTHING), whose existing job is looked up (and counted).
         if cur.rowcount:
             return job.id
-        found = [row[0] for row in cur.execute(q["job_enqueued_ids"], _lookup_params([job]))]
+        found = cur.execute(q["job_enqueued_ids"], lookup_params([job])).fetchall()
+    log_duplicates([job], found)
     return _resolve([job], found)[job.id]
 
 
@@ -828,7 +830,7 @@ def _write(conn: psycopg.Connection[Any], jobs: Sequence[tuple[Settings, NewJob 
                  and len({settings.schema for settings, _ in jobs}) == 1)
     ids: list[uuid.UUID] = []
     duplicates: dict[uuid.UUID, uuid.UUID] = {}
-    sent: list[tuple[list[NewJob], psycopg.Cursor[Any]]] = []
+    sent: list[_Sent] = []
     with contextlib.ExitStack() as stack:
         if pipelined:
             stack.enter_context(_translate(jobs[0][0]))
@@ -841,13 +843,13 @@ def _write(conn: psycopg.Connection[Any], jobs: Sequence[tuple[Settings, NewJob 
                 by_schema.setdefault(settings.schema, (settings, []))[1].append(job)
             for settings, batch in by_schema.values():
                 if pipelined:
-                    lookup = _send_many(conn, settings, batch, json_of)
-                    if lookup is not None:
-                        sent.append(lookup)
+                    sent.append(_send_many(conn, settings, batch, json_of))
                 else:
                     duplicates.update(_insert_many(conn, settings, batch, json_of))
-    for keyed, cursor in sent:
-        duplicates.update(_duplicates(keyed, cursor))
+    if sent:
+        with _translate(jobs[0][0]):
+            for batch_sent in sent:
+                duplicates.update(_duplicates(conn, batch_sent))
     return [duplicates.get(job_id, job_id) for job_id in ids] if duplicates else ids
 
 
@@ -859,41 +861,61 @@ def _insert_many(conn: psycopg.Connection[Any], settings: Settings, jobs: list[N
     """
     with _translate(settings):
         if not any(job.idempotency_key is not None for job in jobs):
-            _send_many(conn, settings, jobs, json_of)
-            return {}
+            return _duplicates(conn, _send_many(conn, settings, jobs, json_of))
         # The look-up is what tells an inserted job from a duplicate: pipelined, so the batch
         # still costs one round trip.
         with conn.pipeline():
             sent = _send_many(conn, settings, jobs, json_of)
-        return _duplicates(*sent) if sent is not None else {}
+        return _duplicates(conn, sent)
+
+
+#: What _send_many sent for a batch: its settings, its jobs, the insert's cursor, the digests
+#: made (by job id), and the look-up of its keyed jobs (their list and its cursor) if any.
+_Sent = tuple
 
 
 def _send_many(conn: psycopg.Connection[Any], settings: Settings, jobs: list[NewJob],
-               json_of: dict[uuid.UUID, tuple[bytes, bytes]],
-               ) -> tuple[list[NewJob], psycopg.Cursor[Any]] | None:
+               json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> _Sent:
     """Execute ``job_insert_many`` for ``jobs`` and, if some have idempotency keys (then in a
-    pipeline), ``job_enqueued_ids`` for those: returns them and the look-up's cursor."""
+    pipeline), ``job_enqueued_ids`` for those."""
     q = queries(settings.schema)
     cur = conn.cursor(row_factory=tuple_row)
+    digests: dict[uuid.UUID, bytes] = {}
     if isinstance(cur, ClientCursorMixin):
         # client-side binding (Django's default) writes literals: psycopg's own, from lists
         cur.execute(q["job_insert_many"], insert_many_params(jobs, settings.channel))
     else:
         for kind, dumper in _KINDS.values():
             cur.adapters.register_dumper(kind, dumper)  # the cursor's adapters only
-        cur.execute(q["job_insert_many"], _columns(conn, jobs, settings.channel, json_of))
+        cur.execute(q["job_insert_many"], _columns(conn, jobs, settings.channel, json_of,
+                                                   digests))
     keyed = [job for job in jobs if job.idempotency_key is not None]
     if not keyed:
-        return None
+        return settings, jobs, cur, digests, None
     lookup = conn.cursor(row_factory=tuple_row)
-    lookup.execute(q["job_enqueued_ids"], _lookup_params(keyed))
-    return keyed, lookup
+    lookup.execute(q["job_enqueued_ids"], lookup_params(keyed, digests))
+    return settings, jobs, cur, digests, (keyed, lookup)
 
 
-def _duplicates(keyed: list[NewJob], lookup: psycopg.Cursor[Any]) -> dict[uuid.UUID, uuid.UUID]:
-    """{id made for a job that was a duplicate: the existing job's id}, from the look-up."""
-    found = [row[0] for row in lookup.fetchall()]
-    return {made: job_id for made, job_id in _resolve(keyed, found).items() if made != job_id}
+def _duplicates(conn: psycopg.Connection[Any], sent: _Sent) -> dict[uuid.UUID, uuid.UUID]:
+    """{id made for a job that was a duplicate: the existing job's id}, from the look-up of the
+    keyed jobs and, for the other jobs the insert skipped, one more (counting them)."""
+    settings, jobs, cur, digests, keyed_lookup = sent
+    skipped = {row[0] for row in cur.fetchall() if row[0] is not None}
+    resolved: dict[uuid.UUID, uuid.UUID] = {}
+    if keyed_lookup is not None:
+        keyed, lookup = keyed_lookup
+        found = lookup.fetchall()
+        log_duplicates(keyed, found)
+        resolved.update(_resolve(keyed, found))
+    unkeyed = [job for job in jobs if job.id in skipped and job.idempotency_key is None]
+    if unkeyed:  # a re-run of the same messages (the same task ids and contents)
+        found = conn.cursor(row_factory=tuple_row).execute(
+            queries(settings.schema)["job_enqueued_ids"],
+            lookup_params(unkeyed, digests)).fetchall()
+        log_duplicates(unkeyed, found)
+        resolved.update(_resolve(unkeyed, found))
+    return {made: job_id for made, job_id in resolved.items() if made != job_id}
 
 
 # -- job_insert_many's column arrays, in PostgreSQL's binary array format -----------------------
@@ -971,9 +993,10 @@ def _int_array(name: str, values: list[int]) -> _Array | list[int]:
 
 
 def _columns(conn: psycopg.Connection[Any], jobs: list[NewJob], channel: str,
-             json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> dict[str, Any]:
+             json_of: dict[uuid.UUID, tuple[bytes, bytes]],
+             digests: dict[uuid.UUID, bytes]) -> dict[str, Any]:
     """``job_insert_many``'s parameters for ``jobs``: what ``insert_many_params`` gives, with
-    the columns as binary arrays."""
+    the columns as binary arrays. The message digests made go to ``digests``."""
     encoding = conn.info.encoding
     sixteen = _LENGTH(16)
     params: dict[str, Any] = {
@@ -998,13 +1021,19 @@ def _columns(conn: psycopg.Connection[Any], jobs: list[NewJob], channel: str,
     if None in made:
         params["headers"] = [Jsonb(job.headers) for job in jobs]
         params["properties"] = [Jsonb(job.properties) for job in jobs]
+        digests.update((job.id, job.digest()) for job in jobs)
     else:
         params["headers"] = _array("jsonb", [_LENGTH(len(h)) + h for h, _ in made])
         params["properties"] = _array("jsonb", [_LENGTH(len(p)) + p for _, p in made])
+        # the jsonb values are a version byte and json.dumps' text: the digest's input
+        digests.update((job.id, message_digest(job, h[1:], p[1:]))
+                       for job, (h, p) in zip(jobs, made))
+    params["message_digest"] = _array(
+        "bytea", [_LENGTH(32) + digests[job.id] for job in jobs])
     return params
 
 
-def _resolve(jobs: list[NewJob], found: list[uuid.UUID | None]) -> dict[uuid.UUID, uuid.UUID]:
+def _resolve(jobs: list[NewJob], found: list[tuple[Any, Any]]) -> dict[uuid.UUID, uuid.UUID]:
     """{id made: id of the job it ended up as}, from ``job_enqueued_ids``'s answer.
 
     None means the duplicate was deleted (pruned, purged) between the insert and the look-up: a
@@ -1012,21 +1041,13 @@ def _resolve(jobs: list[NewJob], found: list[uuid.UUID | None]) -> dict[uuid.UUI
     holds the rest of its work.
     """
     resolved: dict[uuid.UUID, uuid.UUID] = {}
-    for job, job_id in zip(jobs, found, strict=True):
+    for job, (job_id, _) in zip(jobs, found, strict=True):
         if job_id is None:
             raise RuntimeError(f"pgbroker: the job duplicating {job.task!r} (key "
                                f"{job.idempotency_key!r}) was deleted during the insert; "
                                "enqueue it again")
         resolved[job.id] = job_id
     return resolved
-
-
-def _lookup_params(jobs: Sequence[NewJob]) -> dict[str, list[Any]]:
-    return {
-        "id": [j.id for j in jobs], "task": [j.task for j in jobs],
-        "idempotency_key": [j.idempotency_key for j in jobs], "queue": [j.queue for j in jobs],
-        "task_id": [j.task_id for j in jobs], "retries": [j.retries for j in jobs],
-    }
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 Per queue and task name: pending (due now), scheduled (future ``run_at``), running, dead (the
 failures), poison (dead because the consumer was lost during every attempt), redelivered (pending
 or running jobs delivered before), the age of the oldest pending job (database clock), and the
-completed / cancelled / expired jobs of the retention window. Per queue: paused, consumers alive.
+completed / cancelled / expired jobs of the retention window. Per queue: paused, consumers alive,
+publishes ever dropped as duplicates (``publish_duplicates``).
 Per enabled beat entry: the age of its last completed run (``pgbroker.beat``'s
 ``beat_status`` view).
 
@@ -93,6 +94,7 @@ class QueueStats(TaskStats):
 
     paused: bool = False
     consumers: int = 0
+    deduplicated: int = 0  #: publishes ever dropped as duplicates (the same message, or key)
 
     @property
     def busy(self) -> bool:
@@ -113,12 +115,16 @@ class Snapshot:
     window: float                      #: seconds of finished jobs counted
     duration: float                    #: seconds the scrape took
     hidden: int = 0                    #: Celery-internal queues left out (is_internal_queue)
+    duplicates: dict[str, int] = dataclasses.field(default_factory=dict)  #: per queue, ever
 
     def queues(self) -> list[QueueStats]:
-        """Per-queue totals, for every queue that has jobs, is declared, or has consumers."""
-        names = {t.queue for t in self.tasks} | set(self.paused) | set(self.consumers)
+        """Per-queue totals, for every queue that has jobs, is declared, has consumers or had
+        duplicate publishes."""
+        names = ({t.queue for t in self.tasks} | set(self.paused) | set(self.consumers)
+                 | set(self.duplicates))
         by_name = {n: QueueStats(n, None, paused=self.paused.get(n, False),
-                                 consumers=self.consumers.get(n, 0)) for n in names}
+                                 consumers=self.consumers.get(n, 0),
+                                 deduplicated=self.duplicates.get(n, 0)) for n in names}
         for t in self.tasks:
             by_name[t.queue].add(t)
         return [by_name[n] for n in sorted(by_name)]
@@ -238,10 +244,11 @@ class MetricsReader:
             else:
                 consumers[queue] = int(n)
         paused = {name: bool(p) for name, p in self._run(conn, "metrics_queues", {})}
+        duplicates = {name: int(n) for name, n in self._run(conn, "metrics_duplicates", {})}
         shown: Callable[[str], bool] = (
             (lambda name: True) if self.include_internal
             else (lambda name: not is_internal_queue(name)))
-        every = set(paused) | set(consumers) | {q for q, _ in tasks}
+        every = set(paused) | set(consumers) | set(duplicates) | {q for q, _ in tasks}
         return Snapshot(
             at=now,
             tasks=[tasks[k] for k in sorted(tasks, key=lambda k: (k[0], k[1] or ""))
@@ -253,6 +260,7 @@ class MetricsReader:
             window=self.window,
             duration=time.perf_counter() - began,
             hidden=sum(not shown(q) for q in every),
+            duplicates={q: n for q, n in duplicates.items() if shown(q)},
         )
 
     def _beat(self, conn: psycopg.Connection[Any]) -> dict[str, float | None]:
@@ -293,7 +301,7 @@ class _Collector:
         return []  # nothing is read at registration
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         try:
             snap = self._snapshot()
@@ -331,10 +339,15 @@ class _Collector:
                                    labels=["queue"])
         consumers = GaugeMetricFamily("pgbroker_queue_consumers",
                                       "Consumers alive that consume the queue", labels=["queue"])
+        duplicates = CounterMetricFamily(
+            "pgbroker_publish_duplicates", "Publishes dropped as duplicates of a job (a "
+            "producer's retry of the same message, or the same idempotency key)",
+            labels=["queue"])
         for q in snap.queues():
             paused.add_metric([q.queue], int(q.paused))
             consumers.add_metric([q.queue], q.consumers)
-        yield from (paused, consumers)
+            duplicates.add_metric([q.queue], q.deduplicated)
+        yield from (paused, consumers, duplicates)
         yield GaugeMetricFamily("pgbroker_consumers_alive",
                                 "Consumers with a heartbeat within the lease", snap.consumers_alive)
         beat = GaugeMetricFamily("pgbroker_beat_last_run_age_seconds",

@@ -1,5 +1,6 @@
-"""The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning, and
-the per-minute statistics of the admin page's charts.
+"""The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning, the
+per-minute statistics of the admin page's charts, and the folding of the duplicate-publish
+counter.
 
 ``Sweeper.run_once()`` does one pass and returns what it changed; it runs inside every consuming
 worker (from its lease thread) and as ``pgbroker sweep``. Several sweepers at once are safe: every
@@ -43,6 +44,7 @@ class SweepResult:
     queues: int = 0       # idle queues past their x-expires, deleted
     broadcasts: int = 0   # broadcast rows past their minute
     statistics: int = 0   # rows of the admin page's per-minute statistics written
+    folded: int = 0       # duplicate-publish counter rows folded into one per queue
 
     def __bool__(self) -> bool:
         return any(vars(self).values())
@@ -69,8 +71,9 @@ class Sweeper:
         queues = self.store.expire_queues()
         broadcasts = self.store.prune_broadcasts()
         statistics = self.store.rollup()  # once a minute, by one sweeper; else it writes nothing
+        folded = self.store.fold_duplicates()
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
-                             broadcasts, statistics)
+                             broadcasts, statistics, folded)
         if rescued or buried:
             logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
                            "%d consumer(s) removed", rescued, buried, consumers)

@@ -14,8 +14,10 @@ Connection String
 =================
 .. code-block::
 
-    pgbroker://USER:PASSWORD@HOST:PORT/DBNAME?libpq_option=value
-    pgbroker+postgresql://USER:PASSWORD@HOST:PORT/DBNAME   (any libpq URL after the '+')
+    pgbroker://USER:PASSWORD@HOST:PORT/DBNAME      (parsed by kombu, like amqp://)
+    pgbroker+postgresql://USER@HOST1:PORT1,HOST2:PORT2/DBNAME?target_session_attrs=read-write
+                                                   (any libpq URL after the '+', options too)
+    pgbroker://USER@HOST1/DB;pgbroker://USER@HOST2/DB   (kombu's failover alternates)
 
 Transport Options
 =================
@@ -32,6 +34,7 @@ This module is glue: every statement is in :mod:`pgbroker._store`, every message
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -41,9 +44,9 @@ import threading
 import uuid
 from time import monotonic
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
+import uuid6
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES, TopicExchange
@@ -53,11 +56,11 @@ from kombu.utils.objects import cached_property
 from . import _db, _revoke
 from ._lease import Lease
 from ._messages import (
-    DELIVERY_HEADER,
     MAX_NAME_LENGTH,
     REQUEUED,
     TRANSIENT,
     _delivery_tag,
+    due_now,
     kombu_payload,
     message_to_job,
     parse_delivery_tag,
@@ -68,7 +71,7 @@ from .enqueue import _current_target
 from .errors import DatabaseUnavailable
 from .settings import Settings
 
-__all__ = ["Transport", "Channel", "QoS", "Message", "DELIVERY_HEADER", "MAX_NAME_LENGTH",
+__all__ = ["Transport", "Channel", "QoS", "Message", "MAX_NAME_LENGTH",
            "message_to_job", "parse_delivery_tag", "validate_queue_name"]
 
 logger = logging.getLogger(__name__)
@@ -175,7 +178,7 @@ class _TopicExchange(TopicExchange):
     def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
                 **kwargs: Any) -> None:
         if message["properties"].get("delivery_mode") == TRANSIENT:
-            self.channel._put_fanout(exchange, message, routing_key, **kwargs)
+            self.channel._broadcast(exchange, message)
         else:
             super().deliver(message, exchange, routing_key, **kwargs)
 
@@ -292,13 +295,35 @@ class Channel(virtual.Channel):
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
-        """A broadcast: one row, read by every process consuming a queue bound to ``exchange``.
-        Nobody bound (worker events with no monitor running): nothing is written. A revoke is
-        also written to the jobs it names, bound or not (:mod:`pgbroker._revoke`)."""
+        """A message to a fanout exchange, as AMQP routes it: a job in every bound queue
+        declared without auto-delete (or exclusive), where it waits until consumed; and a
+        broadcast for the auto-delete ones (Celery's mailboxes and ``Broadcast`` queues), which
+        exist only while consumed. Nobody bound: nothing is written. A revoke is also written
+        to the jobs it names, bound or not (:mod:`pgbroker._revoke`)."""
+        job = self.new_job(None, message)
         revoke = _revoke.request_of(exchange, message)
         if revoke is not None:
-            _revoke.apply(self.store, revoke, self.new_job(None, message), via="celery revoke")
+            _revoke.apply(self.store, revoke, job, via="celery revoke")
             return
+        target = _current_target()
+        if target is None:
+            self.store.fanout(job)  # one statement
+            return
+        # inside pgbroker.transaction(db): the jobs are written by the caller's transaction
+        transient = []
+        for queue, stored in self.store.fanout_queues(exchange):
+            if stored:
+                target.add(dataclasses.replace(job, id=uuid6.uuid7(), queue=queue),
+                           self.settings)
+            else:
+                transient.append(queue)
+        if transient:
+            self.store.broadcast(job, transient)
+
+    def _broadcast(self, exchange: str, message: dict[str, Any]) -> None:
+        """A transient message to a topic exchange (worker events): one row, read by every
+        process consuming a queue bound to ``exchange`` whose binding matches. Nobody bound (no
+        monitor running): nothing is written."""
         if not self._bindings(exchange):
             return
         self.store.broadcast(self.new_job(None, message))
@@ -314,7 +339,11 @@ class Channel(virtual.Channel):
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         validate_queue_name(queue)
         if queue not in self._declared:
-            self.store.declare_queue(queue, kwargs.get("arguments") or {})
+            # auto-delete and exclusive queues exist only while consumed (in AMQP): a fanout
+            # message reaches them as a broadcast, never as a job that would wait there
+            transient = bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))
+            self.store.declare_queue(queue, kwargs.get("arguments") or {},
+                                     kwargs.get("durable"), transient)
             self._declared.add(queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
@@ -363,6 +392,7 @@ class Channel(virtual.Channel):
         if no_ack:
             self._no_ack.add(queue)
         self._more = True
+        self.transport.reset_credit()
         self.transport.request_turn()
         self.transport.schedule_due(self.store.next_due([queue]))
         return result
@@ -375,6 +405,7 @@ class Channel(virtual.Channel):
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
+        self.transport.reset_credit()
         if queue is not None and queue not in self._active_queues:
             self._no_ack.discard(queue)
             if "lease" in self.transport.__dict__:
@@ -484,10 +515,7 @@ class Channel(virtual.Channel):
                 raise TypeError("headers and properties must be JSON objects")
             tag = _delivery_tag(row.id, row.attempt,
                                 row.properties.get("delivery_mode") == TRANSIENT)
-            # The database found this job due by its own clock: without the eta header, a
-            # worker whose clock is behind does not hold it in memory until its clock agrees.
-            headers = row.headers if "eta" not in row.headers else {
-                k: v for k, v in row.headers.items() if k != "eta"}
+            headers = due_now(row.headers)  # due by the database clock: by this one too
             return kombu_payload(row.body, row.content_type, row.content_encoding, headers,
                                  row.properties, row.exchange, row.routing_key, row.priority,
                                  tag, redelivered=row.attempt > 1)
@@ -518,7 +546,11 @@ class Transport(virtual.Transport):
 
     Channel = Channel
 
-    can_parse_url = True
+    #: kombu parses a pgbroker:// URL into the connection's fields (host, port, user,
+    #: password, database), as it does amqp://, so failover alternates ("pgbroker://a;
+    #: pgbroker://b") report the URL in use. A libpq URL goes after "pgbroker+" (query
+    #: options, several hosts): kombu leaves that part alone.
+    can_parse_url = False
     default_port = 5432
     driver_type = "postgresql"
     driver_name = "psycopg"
@@ -555,26 +587,31 @@ class Transport(virtual.Transport):
         self._draining: int | None = None
         #: claimed or broadcast messages waiting for drain_events (synchronous path only)
         self._ready: collections.deque[tuple[Channel, dict[str, Any], str]] = collections.deque()
+        #: drain_events calls that return at once, having delivered a batch (see there)
+        self._credit = 0
 
     @staticmethod
     def _conninfo(client: Any) -> str:
-        hostname = client.hostname or "localhost"
-        if "://" in hostname:
-            # Keep the password out of the URL kombu shows (inspect stats prints the hostname):
-            # it moves to kombu's password field, which Celery never prints.
+        hostname = client.hostname
+        if hostname and "://" in hostname:  # pgbroker+postgresql://...: a libpq URL
+            # Keep the password out of the URL kombu shows (inspect stats prints the hostname,
+            # as_uri formats it): it moves to kombu's password field, which Celery never
+            # prints, and the URL keeps "**" where it was.
             bare, password = _db.split_password(hostname)
             if password is not None:
-                client.hostname = bare
+                client.hostname = _db.mask_password(hostname)
                 client.password = client.password or password
-            url = _db.libpq_url(client.hostname)
+            url = _db.libpq_url(bare)
             if client.password:
                 return psycopg.conninfo.make_conninfo(url, password=client.password)
             return url
-        if "=" in hostname:  # a key=value conninfo string
+        if hostname and "=" in hostname:  # a key=value conninfo string
             return hostname
+        # a pgbroker:// URL kombu parsed, or separate arguments; no host ("pgbroker://"):
+        # libpq's defaults (PGHOST, the local socket)
         dbname = client.virtual_host if client.virtual_host not in (None, "", "/") else None
         return psycopg.conninfo.make_conninfo(
-            host=hostname, port=client.port or 5432, user=client.userid or None,
+            host=hostname or None, port=client.port or None, user=client.userid or None,
             password=client.password or None, dbname=dbname)
 
     @cached_property
@@ -586,18 +623,6 @@ class Transport(virtual.Transport):
 
     def driver_version(self) -> str:
         return psycopg.__version__
-
-    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        shown = uri if include_password else _db.mask_password(uri, mask)
-        password = self.client.password  # moved out of the URL by _conninfo
-        if password and "://" in uri:
-            bare = urlsplit(shown)
-            user, _, host = bare.netloc.rpartition("@")
-            if user:
-                secret = quote(password, safe="") if include_password else mask
-                shown = urlunsplit(bare._replace(netloc=f"{user.split(':')[0]}:{secret}@{host}"))
-        prefix = getattr(self.client, "uri_prefix", None)  # pgbroker+postgresql://...
-        return f"{prefix}+{shown}" if prefix else shown
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -674,11 +699,12 @@ class Transport(virtual.Transport):
             return 0
         if row is None:  # pruned already
             return 0
-        _, routing_key, body, content_type, content_encoding, headers, properties = row
+        _, routing_key, body, content_type, content_encoding, headers, properties, queues = row
         kind = self.state.exchanges.get(exchange, {}).get("type", "fanout")
         delivered = 0
         for n, (channel, queue, key) in enumerate(bound):
-            if _matches(kind, key, routing_key):
+            # (a fanout's broadcast is for its auto-delete queues: the others got a job)
+            if (queues is None or queue in queues) and _matches(kind, key, routing_key):
                 self.hand_over(channel, kombu_payload(
                     body, content_type, content_encoding, headers, properties, exchange,
                     routing_key, 0, f"b/{broadcast_id}/{n}", redelivered=False), queue)
@@ -855,8 +881,7 @@ class Transport(virtual.Transport):
 
     def hand_over(self, channel: Channel, payload: dict[str, Any], queue: str) -> None:
         """Deliver now inside the worker's event loop; on the synchronous path, keep it for
-        ``drain_events``, which hands over one message per call (kombu's mailbox counts replies
-        by calls, so a batch in one call would make it wait for replies it already has)."""
+        ``drain_events``."""
         if self._loop is not None:
             self._deliver(payload, queue)
         else:
@@ -874,6 +899,14 @@ class Transport(virtual.Transport):
             channel.store.requeue(deliveries, "restored unacked")
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Deliver everything one claim returned (and the broadcasts read meanwhile), highest
+        priority first, then return; or wait for a notification, a due time or the poll.
+
+        kombu's Mailbox (``celery inspect``/``control`` with a limit of replies) counts replies
+        by calls: after a call that delivered n messages, the next n - 1 calls that find
+        nothing to deliver return at once instead of waiting, so it does not wait its timeout
+        for replies it already has. A new or cancelled consumer starts the count again.
+        """
         deadline = None if timeout is None else monotonic() + timeout
         while True:
             if not self._ready:
@@ -881,15 +914,10 @@ class Transport(virtual.Transport):
                     if channel._more and channel._active_queues:
                         channel.claim_and_deliver()
             if self._ready:
-                _, payload, queue = self._ready.popleft()
-                self._draining = threading.get_ident()
-                try:
-                    self._deliver(payload, queue)
-                finally:
-                    self._draining = None
-                    if not self._ready:  # the batch is done: its acks in one statement
-                        for channel in self.channels:
-                            channel.flush_acks()
+                self._deliver_ready()
+                return
+            if self._credit:
+                self._credit -= 1
                 return
             self._refresh_due()
             now = monotonic()
@@ -908,6 +936,28 @@ class Transport(virtual.Transport):
                 wait = min(wait, deadline - now)
             if _wait_readable(self._listen().fileno(), max(wait, 0)):
                 self._read_notifications()
+
+    def _deliver_ready(self) -> None:
+        """Hand over what is ready, highest priority first (a claim of several queues, and
+        broadcasts, are merged); the acks made in the callbacks go in one statement at the end.
+        A callback that raises leaves the rest for the next call."""
+        batch = sorted(self._ready, key=lambda item: -item[1]["properties"].get("priority", 0))
+        self._ready.clear()
+        self._ready.extend(batch)
+        self._credit = len(batch) - 1
+        self._draining = threading.get_ident()
+        try:
+            for _ in range(len(batch)):
+                _, payload, queue = self._ready.popleft()
+                self._deliver(payload, queue)
+        finally:
+            self._draining = None
+            for channel in self.channels:
+                channel.flush_acks()
+
+    def reset_credit(self) -> None:
+        """A consumer started or stopped: ``drain_events``'s next empty call waits again."""
+        self._credit = 0
 
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None

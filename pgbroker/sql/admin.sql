@@ -325,7 +325,7 @@ FROM {schema}.jobs AS j WHERE j.id = %(id)s;
 
 -- name: job_history
 -- Every row of one Celery task id: each retry (self.retry(), autoretry) is a new row with
--- retries + 1, a replace() one with the same retries; jobs_task_delivery_idx (task_id first).
+-- retries + 1, a replace() one with the same retries; jobs_message_idx (task_id first).
 SELECT id, queue, state, retries, attempts, max_attempts, created_at, run_at, locked_at,
        updated_at, last_error
 FROM {schema}.jobs

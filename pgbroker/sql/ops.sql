@@ -82,6 +82,11 @@ SELECT q.queue, count(*) FROM alive, unnest(alive.queues) AS q(queue) GROUP BY q
 -- name: metrics_queues
 SELECT name, paused FROM {schema}.queues ORDER BY name;
 
+-- name: metrics_duplicates
+-- Publishes dropped as duplicates, per queue, since the schema exists (a few rows: the sweeper
+-- folds them, publish_duplicates_fold).
+SELECT queue, sum(duplicates) FROM {schema}.publish_duplicates GROUP BY queue;
+
 -- name: metrics_beat_present
 -- pgbroker.beat's status view (migration 0004) may be missing from an older schema.
 SELECT to_regclass(%(view)s) IS NOT NULL;

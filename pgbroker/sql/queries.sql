@@ -3,12 +3,16 @@
 
 -- name: job_insert
 -- One message. The NOTIFY goes out in the same transaction, so it is delivered only on commit,
--- and only when a row was really inserted (a duplicate publish wakes nobody). Its payload is a
--- wake-up, never the message: "<seconds until due> <queue>".
+-- and only when a row was really inserted. Its payload is a wake-up, never the message:
+-- "<seconds until due> <queue>". A duplicate -- the same (task, idempotency_key), or the same
+-- message (task_id, queue, message_digest: a producer's own retry of one publish) -- inserts
+-- nothing, wakes nobody and returns no row; the caller then runs job_enqueued_ids, which counts
+-- it and names the job it duplicates.
 WITH inserted AS (
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
-                               priority, max_attempts, run_at, expires_at, idempotency_key)
+                               priority, max_attempts, run_at, expires_at, idempotency_key,
+                               message_digest)
     VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
             %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
             CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
@@ -18,7 +22,7 @@ WITH inserted AS (
                   (SELECT now() + make_interval(secs => (q.arguments->>'x-message-ttl')::float8
                                                        / 1000)
                    FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
-            %(idempotency_key)s)
+            %(idempotency_key)s, %(message_digest)s)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at
 )
@@ -28,11 +32,25 @@ FROM inserted;
 
 -- name: job_insert_many
 -- Many messages in one statement (UNNEST of column arrays): one round trip per batch, and one
--- NOTIFY per queue rather than per message (NOTIFY takes a global lock at commit).
-WITH inserted AS (
+-- NOTIFY per queue rather than per message (NOTIFY takes a global lock at commit). Returns a
+-- NULL per NOTIFY and the id made for each message that was a duplicate (see job_insert): the
+-- caller runs job_enqueued_ids for those.
+WITH m AS (
+    SELECT *
+    FROM unnest(%(id)b::uuid[], %(queue)b::text[], %(task)b::text[], %(task_id)b::text[],
+                %(retries)b::int[], %(exchange)b::text[], %(routing_key)b::text[],
+                %(body)b::bytea[], %(content_type)b::text[], %(content_encoding)b::text[],
+                %(headers)b::jsonb[], %(properties)b::jsonb[], %(priority)b::smallint[],
+                %(max_attempts)b::int[], %(run_at)b::timestamptz[], %(expires_at)b::timestamptz[],
+                %(idempotency_key)b::text[], %(message_digest)b::bytea[])
+         AS m(id, queue, task, task_id, retries, exchange, routing_key, body, content_type,
+              content_encoding, headers, properties, priority, max_attempts, run_at,
+              expires_at, idempotency_key, message_digest)
+), inserted AS (
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
-                               priority, max_attempts, run_at, expires_at, idempotency_key)
+                               priority, max_attempts, run_at, expires_at, idempotency_key,
+                               message_digest)
     SELECT id, queue, task, task_id, retries, exchange, routing_key, body,
            content_type, content_encoding, headers, properties,
            CASE WHEN run_at > now() THEN 'scheduled' ELSE 'pending' END,
@@ -41,22 +59,18 @@ WITH inserted AS (
            least(expires_at, (SELECT now() + make_interval(
                                   secs => (q.arguments->>'x-message-ttl')::float8 / 1000)
                               FROM {schema}.queues AS q WHERE q.name = m.queue)),
-           idempotency_key
-    FROM unnest(%(id)b::uuid[], %(queue)b::text[], %(task)b::text[], %(task_id)b::text[],
-                %(retries)b::int[], %(exchange)b::text[], %(routing_key)b::text[],
-                %(body)b::bytea[], %(content_type)b::text[], %(content_encoding)b::text[],
-                %(headers)b::jsonb[], %(properties)b::jsonb[], %(priority)b::smallint[],
-                %(max_attempts)b::int[], %(run_at)b::timestamptz[], %(expires_at)b::timestamptz[],
-                %(idempotency_key)b::text[])
-         AS m(id, queue, task, task_id, retries, exchange, routing_key, body, content_type,
-              content_encoding, headers, properties, priority, max_attempts, run_at,
-              expires_at, idempotency_key)
+           idempotency_key, message_digest
+    FROM m
     ON CONFLICT DO NOTHING
-    RETURNING queue, run_at
+    RETURNING id, queue, run_at
+), notified AS (
+    SELECT pg_notify(%(channel)s, min_delay::text || ' ' || queue)
+    FROM (SELECT queue, greatest(extract(epoch FROM min(run_at) - now()), 0) AS min_delay
+          FROM inserted GROUP BY queue) AS per_queue
 )
-SELECT pg_notify(%(channel)s, min_delay::text || ' ' || queue)
-FROM (SELECT queue, greatest(extract(epoch FROM min(run_at) - now()), 0) AS min_delay
-      FROM inserted GROUP BY queue) AS per_queue;
+SELECT NULL::uuid AS skipped FROM notified
+UNION ALL
+SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.id);
 
 -- name: job_claim
 -- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
@@ -309,8 +323,13 @@ WHERE id IN (SELECT id FROM {schema}.jobs
              LIMIT %(limit)s);
 
 -- name: queue_declare
-INSERT INTO {schema}.queues (name, arguments) VALUES (%(name)s, %(arguments)s)
-ON CONFLICT (name) DO UPDATE SET last_used_at = now();
+-- The first declaration decides the queue's flags, as in AMQP (a row a binding created first,
+-- or an older pgbroker, has none yet: they are filled in).
+INSERT INTO {schema}.queues AS q (name, arguments, durable, auto_delete)
+VALUES (%(name)s, %(arguments)s, %(durable)s, %(auto_delete)s)
+ON CONFLICT (name) DO UPDATE SET last_used_at = now(),
+                                 durable = coalesce(q.durable, EXCLUDED.durable),
+                                 auto_delete = coalesce(q.auto_delete, EXCLUDED.auto_delete);
 
 -- name: queue_exists
 SELECT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s)
@@ -355,3 +374,24 @@ SELECT current_setting('autovacuum')::boolean AND current_setting('track_counts'
                      WHERE option_name = 'autovacuum_enabled'), true)
 FROM pg_class AS c
 WHERE c.oid = '{schema}.jobs'::regclass;
+
+-- name: publish_duplicates_fold
+-- The counter of duplicate publishes gets a row per statement that found some (job_enqueued_ids
+-- appends, never updates): fold the rows of each queue that has several into one, so the
+-- totals stay exact and the table one row per queue. SKIP LOCKED: several sweepers fold
+-- different rows, each into a row of its own, and the next pass folds those.
+WITH candidates AS MATERIALIZED (
+    SELECT id FROM {schema}.publish_duplicates
+    WHERE queue IN (SELECT queue FROM {schema}.publish_duplicates
+                    GROUP BY queue HAVING count(*) > 1)
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), folded AS (
+    DELETE FROM {schema}.publish_duplicates AS d USING candidates AS c WHERE d.id = c.id
+    RETURNING d.queue, d.duplicates, d.at
+), merged AS (
+    INSERT INTO {schema}.publish_duplicates (queue, duplicates, at)
+    SELECT queue, sum(duplicates), max(at) FROM folded GROUP BY queue
+)
+SELECT count(*) FROM folded;

@@ -31,19 +31,81 @@ SELECT routing_key, queue FROM {schema}.bindings WHERE exchange = %(exchange)s;
 
 -- name: broadcast_insert
 -- One row for all the consumers, and a NOTIFY that names only the row and its exchange (so a
--- process with no queue bound to that exchange need not read it).
+-- process with no queue bound to that exchange need not read it). ``queues``: the queues it is
+-- for (NULL: every bound queue whose binding matches, as for worker events).
 WITH inserted AS (
     INSERT INTO {schema}.broadcasts (id, exchange, routing_key, body, content_type,
-                                     content_encoding, headers, properties)
+                                     content_encoding, headers, properties, queues)
     VALUES (%(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(content_type)s,
-            %(content_encoding)s, %(headers)s, %(properties)s)
+            %(content_encoding)s, %(headers)s, %(properties)s, %(queues)s)
     RETURNING id, exchange
 )
 SELECT pg_notify(%(channel)s, 'b ' || id::text || ' ' || exchange) FROM inserted;
 
+-- name: job_fanout
+-- A message to a fanout exchange, as AMQP delivers it: a job in every bound queue that was not
+-- declared auto-delete (or exclusive), where it waits until consumed, with one NOTIFY per
+-- queue; and one broadcast row for the auto-delete ones (Celery's mailboxes, Broadcast and
+-- event queues, which exist only while consumed), read by the consumers listening now. The
+-- bindings are read in this statement, never from a cache: a queue bound a moment ago gets it.
+-- Each job's id keeps the time part of the publish's UUIDv7 (made in Python) and takes random
+-- bits of its own. Returns a row per NOTIFY (skipped NULL), and the queues whose job the
+-- unique keys skipped (see job_insert).
+WITH bound AS MATERIALIZED (
+    SELECT DISTINCT b.queue, coalesce(NOT q.auto_delete, false) AS stored,
+           (q.arguments->>'x-message-ttl')::float8 AS ttl_ms
+    FROM {schema}.bindings AS b JOIN {schema}.queues AS q ON q.name = b.queue
+    WHERE b.exchange = %(exchange)s
+), inserted AS (
+    INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
+                               content_type, content_encoding, headers, properties, state,
+                               priority, max_attempts, run_at, expires_at, idempotency_key,
+                               message_digest)
+    SELECT encode(overlay(uuid_send(%(id)s::uuid)
+                          PLACING substring(uuid_send(gen_random_uuid()) FROM 9) FROM 9),
+                  'hex')::uuid,
+           bound.queue, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+           %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
+           CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
+           %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
+           -- the queue's x-message-ttl, if declared, bounds the message's own expiry
+           least(%(expires_at)s::timestamptz,
+                 now() + make_interval(secs => bound.ttl_ms / 1000)),
+           %(idempotency_key)s, %(message_digest)s
+    FROM bound WHERE bound.stored
+    ON CONFLICT DO NOTHING
+    RETURNING queue, run_at
+), broadcast AS (
+    INSERT INTO {schema}.broadcasts (id, exchange, routing_key, body, content_type,
+                                     content_encoding, headers, properties, queues)
+    SELECT %(id)s, %(exchange)s, %(routing_key)s, %(body)s, %(content_type)s,
+           %(content_encoding)s, %(headers)s, %(properties)s, array_agg(bound.queue)
+    FROM bound WHERE NOT bound.stored
+    HAVING count(*) > 0
+    RETURNING id, exchange
+), notified AS (
+    SELECT pg_notify(%(channel)s,
+                     greatest(extract(epoch FROM run_at - now()), 0)::text || ' ' || queue)
+    FROM (SELECT DISTINCT ON (queue) queue, run_at FROM inserted) AS per_queue
+    UNION ALL
+    SELECT pg_notify(%(channel)s, 'b ' || id::text || ' ' || exchange) FROM broadcast
+)
+SELECT NULL::text AS skipped FROM notified
+UNION ALL
+SELECT bound.queue FROM bound
+WHERE bound.stored AND NOT EXISTS (SELECT 1 FROM inserted WHERE inserted.queue = bound.queue);
+
 -- name: broadcast_get
-SELECT exchange, routing_key, body, content_type, content_encoding, headers, properties
+SELECT exchange, routing_key, body, content_type, content_encoding, headers, properties, queues
 FROM {schema}.broadcasts WHERE id = %(id)s;
+
+-- name: fanout_queues
+-- The queues bound to a fanout exchange, and whether a message to it is a job there (see
+-- job_fanout): for a publish inside pgbroker.transaction(), whose jobs are written by the
+-- caller's transaction.
+SELECT DISTINCT b.queue, coalesce(NOT q.auto_delete, false)
+FROM {schema}.bindings AS b JOIN {schema}.queues AS q ON q.name = b.queue
+WHERE b.exchange = %(exchange)s;
 
 -- name: broadcast_prune
 DELETE FROM {schema}.broadcasts

@@ -645,7 +645,7 @@ BARE_SQL = ("ALTER TABLE pgbroker.jobs SET UNLOGGED",
                 "jobs_priority_check", "jobs_running_locked_check")),
             *(f"DROP INDEX pgbroker.{name}" for name in (
                 "jobs_expires_idx", "jobs_finished_idx", "jobs_idempotency_key_idx",
-                "jobs_task_delivery_idx", "jobs_dead_idx")))
+                "jobs_message_idx", "jobs_dead_idx")))
 
 
 BARE_LABEL = "pgbroker, bare table"

@@ -5,7 +5,8 @@ whose own write survives a restart.
 INSERT fails, the task raises and its job ends ``dead`` -- correctly, but then the scenario
 measures the application's failure, not the broker's. ``sturdy_touch`` retries its own write
 until the server is back (what an application does with ``autoretry_for``), so the counts of
-the scenario are the broker's alone. ``hold`` is ``nap`` for workers under libfaketime. A worker
+the scenario are the broker's alone. ``hold`` is ``nap`` for workers under libfaketime;
+``eta_seen`` records the ``eta`` its request shows (the clock-skew tests). A worker
 gets them with ``celery -A tests.e2e.app worker --include tests.chaos.app``
 (``tests.chaos.load.CHAOS_TASKS``).
 """
@@ -19,7 +20,7 @@ import psycopg
 
 from tests.e2e.app import app, record  # the worker finds ``app`` here
 
-__all__ = ["app", "hold", "sturdy_touch"]
+__all__ = ["app", "eta_seen", "hold", "sturdy_touch"]
 
 
 @app.task(bind=True)
@@ -44,4 +45,11 @@ def hold(self, key: str, seconds: float) -> str:
     while (left := deadline - time.monotonic()) > 0:
         select.poll().poll(left * 1000)
     record(self, key + ":done")
+    return key
+
+
+@app.task(bind=True)
+def eta_seen(self, key: str) -> str:
+    """Records ``<key>|<the eta of its request>``."""
+    record(self, f"{key}|{self.request.eta}")
     return key

@@ -11,6 +11,10 @@ worker's clock must change nothing of it:
 * a worker whose clock is an hour ahead keeps its lease: its long task is never rescued;
 * a worker whose clock is an hour behind runs a due job when the database says it is due.
 
+And the task sees its producer's ``eta`` (``self.request.eta``) exactly, unless the worker's
+clock is behind the database's: then it sees the worker's now at delivery, which is what makes
+Celery run it at once instead of holding it in a timer until the worker's clock catches up.
+
 Limits that are Celery's, not the transport's (docs/chaos.md): a producer's clock sets the
 absolute ``eta`` (Celery sends no countdown), and a worker checks ``expires`` with its own clock.
 """
@@ -27,7 +31,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from tests.chaos.app import hold
+from tests.chaos.app import eta_seen, hold
 from tests.chaos.load import CHAOS_TASKS
 from tests.e2e import app as e2e
 from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_state
@@ -57,6 +61,18 @@ def _worker_clock_offset(worker: WorkerProcess) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp() - time.time()
 
 
+def seen_eta(runs: psycopg.Connection, key: str) -> datetime:
+    """The eta the task ``eta_seen(key)`` saw, once it ran."""
+    [(seen,)] = wait_for(lambda: runs.execute("SELECT key FROM public.runs WHERE key LIKE %s",
+                                              (key + "|%",)).fetchall(),
+                         30, message=f"{key} to run")
+    return datetime.fromisoformat(seen.split("|", 1)[1])
+
+
+def sent_eta(runs: psycopg.Connection, task_id: str) -> datetime:
+    return datetime.fromisoformat(job(runs, task_id)["headers"]["eta"])
+
+
 def test_a_worker_an_hour_ahead_waits_for_run_at_and_keeps_its_lease(
         producer: Celery, runs: psycopg.Connection, broker_url: str) -> None:
     # a worker with the right clock that sweeps every second and consumes nothing under test
@@ -69,6 +85,8 @@ def test_a_worker_an_hour_ahead_waits_for_run_at_and_keeps_its_lease(
     row = wait_state(runs, later.id, "completed", timeout=60)
     [run] = key_runs(runs, "ahead-eta")
     assert run["at"] >= row["run_at"], "delivered before run_at by the database clock"
+    seen = eta_seen.apply_async(("ahead-seen",), countdown=2)
+    assert seen_eta(runs, "ahead-seen") == sent_eta(runs, seen.id)  # exactly the producer's
 
     seconds = 3 * SHORT_LEASE["lease_timeout"]
     long = hold.apply_async(("ahead-long", seconds), task_id="ahead-long")
@@ -98,3 +116,7 @@ def test_a_worker_an_hour_behind_runs_a_due_job_when_the_database_says(
     assert row["run_at"] <= row["db_now"]
     wait_for(lambda: key_runs(runs, "behind-eta"), 8, interval=0.2,
              message="the due job to run on the worker whose clock is behind")
+    # the task saw an eta of its worker's clock (an hour before the producer's): had it seen
+    # the producer's, Celery would have held it for an hour
+    seen = eta_seen.apply_async(("behind-seen",), countdown=2)
+    assert (sent_eta(runs, seen.id) - seen_eta(runs, "behind-seen")).total_seconds() > 3000

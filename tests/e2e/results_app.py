@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from celery import Celery
+from celery import Celery, group
 
 import pgbroker  # noqa: F401 - registers pgbroker://
 from tests.e2e.app import record
@@ -47,6 +47,26 @@ def touch(self, key: str) -> str:
     return key
 
 
+def nest(self, n: int, acc: list[int] | None = None) -> list[int]:
+    """Replaces itself (same task id, same retries) until ``n`` is 0: ``nest(3)`` is
+    ``[0, 1, 2, 3]``."""
+    acc = [n, *(acc or [])]
+    if n == 0:
+        return acc
+    return self.replace(self.app.tasks[NAME + "nest"].s(n - 1, acc))
+
+
+def fan(self, results: list[int]) -> None:
+    """A chord body that replaces itself with a group: the chord's result is the group's."""
+    raise self.replace(group(self.app.tasks[NAME + "add"].s(r, 1) for r in results))
+
+
+def request_view(self) -> dict[str, Any]:
+    """What the task sees of its own message: its custom headers, eta and expires."""
+    return {"headers": self.request.headers, "eta": self.request.eta,
+            "expires": self.request.expires}
+
+
 def make_app(url: str, **conf: Any) -> Celery:
     """An app with ``broker_url = result_backend = url``, the test tasks registered, and
     ``conf`` on top of the defaults below."""
@@ -60,7 +80,7 @@ def make_app(url: str, **conf: Any) -> Celery:
     )
     app.conf.update(conf)
 
-    for func in (add, fail, collect, touch):
+    for func in (add, fail, collect, touch, nest, fan, request_view):
         app.task(bind=True, name=NAME + func.__name__)(func)
     return app
 

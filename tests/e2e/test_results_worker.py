@@ -125,3 +125,42 @@ def test_chord_with_a_failing_header_task_fails_its_callback(
     assert pg.execute("SELECT count(*) FROM public.runs WHERE task = 'collect'"
                       ).fetchone()[0] == 0
     assert chord_unlocks(pg) == 0
+
+
+def test_a_task_replaced_by_itself_runs_every_replacement(
+        client: Celery, worker: WorkerProcess, pg: psycopg.Connection) -> None:
+    # each replacement has the task id and the retries of the task it replaces
+    result = client.tasks[NAME + "nest"].delay(3)
+    assert result.get(timeout=30) == [0, 1, 2, 3]
+    assert pg.execute("SELECT count(*), count(DISTINCT task_id) FROM pgbroker.jobs").fetchone() \
+        == (4, 1)
+
+
+def test_a_chord_body_replaced_by_a_group_completes_the_chord(
+        client: Celery, worker: WorkerProcess, pg: psycopg.Connection) -> None:
+    add, fan = client.tasks[NAME + "add"], client.tasks[NAME + "fan"]
+    result = chord([add.s(1, 1), add.s(2, 2)])(fan.s())
+    # the group's results, gathered by celery.accumulate under the body's task id
+    assert result.get(timeout=30) == [3, 5]
+    assert pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE task_id = %s",
+                      (result.id,)).fetchone()[0] == 2  # the body and its accumulate
+
+
+def test_the_task_sees_the_headers_eta_and_expires_the_producer_sent(
+        client: Celery, worker: WorkerProcess, pg: psycopg.Connection) -> None:
+    view = client.tasks[NAME + "request_view"]
+    plain = view.apply_async(headers={"k1": "v1", "nested": {"a": [1]}})
+    assert plain.get(timeout=30) == {"headers": {"k1": "v1", "nested": {"a": [1]}},
+                                     "eta": None, "expires": None}
+    later = view.apply_async(countdown=1, expires=600)
+    sent = pg.execute("SELECT headers->>'eta', headers->>'expires' FROM pgbroker.jobs "
+                      "WHERE task_id = %s", (later.id,)).fetchone()
+    seen = later.get(timeout=30)
+    assert (seen["eta"], seen["expires"]) == sent and None not in sent
+    # and the failure hook still finds the delivery's row (its tag is in the properties)
+    failed = client.tasks[NAME + "fail"].delay("still dead")
+    with pytest.raises(results_app.Boom):
+        failed.get(timeout=30)
+    wait_for(lambda: pg.execute("SELECT state, last_error FROM pgbroker.jobs WHERE task_id = %s",
+                                (failed.id,)).fetchone() == ("dead", "Boom: still dead"),
+             30, message="the failed task's dead row with its error")

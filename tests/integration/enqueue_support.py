@@ -44,7 +44,8 @@ def rows_of(conn: psycopg.Connection, ids: list[Any]) -> list[dict[str, Any]]:
 
 #: What differs between two messages of the same task, arguments and options: the ids made for
 #: each, and the times of the transaction that wrote it.
-ROW_VARIES = frozenset({"id", "task_id", "created_at", "updated_at", "run_at", "expires_at"})
+ROW_VARIES = frozenset({"id", "task_id", "created_at", "updated_at", "run_at", "expires_at",
+                        "message_digest"})
 HEADERS_VARY = frozenset({"id", "root_id", "eta", "expires"})
 
 

@@ -7,6 +7,8 @@ expiry is decided by the database clock (rows are aged with SQL instead of sleep
 
 from __future__ import annotations
 
+import socket
+
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,7 @@ import kombu
 import psycopg
 import pytest
 
+import pgbroker
 from pgbroker._store import Store
 from pgbroker.sweeper import Sweeper
 from tests.helpers import wait_for
@@ -157,28 +160,70 @@ def test_a_deleted_queue_gets_no_message_from_a_publisher_that_saw_its_binding(
 
 # -- fanout ----------------------------------------------------------------------------------------
 
-def test_fanout_reaches_every_consumed_queue_of_every_connection(
+def test_fanout_is_a_job_in_every_bound_queue_waiting_until_consumed(
         broker_url: str, pg: psycopg.Connection) -> None:
+    # AMQP: a message to a fanout exchange goes into every bound queue and waits there
+    exchange = kombu.Exchange("fan_kept", type="fanout")
+    queues = [kombu.Queue(name, exchange=exchange) for name in ("fk1", "fk2")]
+    with connect(broker_url) as declarer:
+        for queue in queues:
+            queue(declarer.default_channel).declare()
+        kombu.Queue("fk1", exchange=exchange, routing_key="other")(  # bound twice: one job
+            declarer.default_channel).declare()
+    with connect(broker_url) as producer:  # knows nothing of the bindings but the table
+        kombu.Producer(producer.default_channel, exchange=exchange).publish({"n": 1})
+    assert sorted(r["queue"] for r in jobs(pg)) == ["fk1", "fk2"]
+    assert len({r["id"] for r in jobs(pg)}) == 2
+    assert table_count(pg, "broadcasts") == 0
+    with connect(broker_url) as later:  # consumers that started after the publish
+        for queue in queues:
+            collector = Collector(later, [queue], ack=True)
+            collector.take(1)
+            assert collector.bodies == [{"n": 1}]
+            assert collector.received[0][1].delivery_info["exchange"] == "fan_kept"
+            collector.cancel()
+    assert counts(pg) == {"completed": 2}
+
+
+def test_a_fanout_inside_a_transaction_is_written_by_it(broker_url: str, db_url: str,
+                                                       pg: psycopg.Connection) -> None:
+    exchange = kombu.Exchange("fan_tx", type="fanout")
+    with connect(broker_url) as conn:
+        for name in ("ft1", "ft2"):
+            kombu.Queue(name, exchange=exchange)(conn.default_channel).declare()
+        with psycopg.connect(db_url) as caller:
+            with pgbroker.transaction(caller):
+                kombu.Producer(conn.default_channel, exchange=exchange).publish({"n": 1})
+            assert counts(pg) == {}  # the caller has not committed yet
+        assert sorted(r["queue"] for r in jobs(pg)) == ["ft1", "ft2"]
+
+
+def test_fanout_to_auto_delete_queues_reaches_the_consumers_listening(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    # Celery's mailboxes and Broadcast queues are auto-delete: in AMQP they exist while they are
+    # consumed. They get a broadcast row (no job), read by every process consuming one of them;
+    # a durable queue bound to the same exchange gets a job, and no copy of the broadcast.
     exchange = kombu.Exchange("fan", type="fanout")
     blob = "x" * 20_000  # far over pg_notify's 8000 bytes: the NOTIFY carries only the row id
     with connect(broker_url) as a, connect(broker_url) as b, connect(broker_url) as producer:
-        queues = {name: kombu.Queue(name, exchange=exchange)
+        queues = {name: kombu.Queue(name, exchange=exchange, auto_delete=True)
                   for name in ("fa1", "fa2", "fb1", "f_idle")}
+        queues["f_kept"] = kombu.Queue("f_kept", exchange=exchange)
         collectors = {name: Collector(conn, [queues[name]], ack=True)
-                      for conn, name in ((a, "fa1"), (a, "fa2"), (b, "fb1"))}
+                      for conn, name in ((a, "fa1"), (a, "fa2"), (b, "fb1"), (b, "f_kept"))}
         queues["f_idle"](producer.default_channel).declare()  # bound, but nobody consumes it
         kombu.Producer(producer.default_channel, exchange=exchange).publish({"blob": blob})
 
-        for conn, names in ((a, ("fa1", "fa2")), (b, ("fb1",))):
+        for conn, names in ((a, ("fa1", "fa2")), (b, ("fb1", "f_kept"))):
             drain_until(conn, lambda names=names: all(collectors[n].received for n in names),
-                        what=f"the broadcast in {names}")
+                        what=f"the message in {names}")
         for collector in collectors.values():
             assert collector.nothing_for(0.3)  # exactly once per queue
             assert collector.bodies == [{"blob": blob}]
             assert collector.received[0][1].delivery_info["exchange"] == "fan"
-        # one row for everybody, none in jobs; the idle queue gets nothing, now or later
+        # one row for the auto-delete queues, one job for the durable one
         assert table_count(pg, "broadcasts") == 1
-        assert counts(pg) == {}
+        assert [r["queue"] for r in jobs(pg)] == ["f_kept"]
         late = Collector(producer, [queues["f_idle"]], ack=True)
         assert late.nothing_for(0.5)
 
@@ -195,7 +240,7 @@ def test_broadcasts_are_pruned_after_a_minute(broker_url: str, pg: psycopg.Conne
                                               store: Store) -> None:
     exchange = kombu.Exchange("prune_fan", type="fanout")
     with connect(broker_url) as conn:
-        kombu.Queue("prune_q", exchange=exchange)(conn.default_channel).declare()
+        kombu.Queue("prune_q", exchange=exchange, auto_delete=True)(conn.default_channel).declare()
         producer = kombu.Producer(conn.default_channel, exchange=exchange)
         producer.publish({"n": "old"})
         producer.publish({"n": "new"})
@@ -253,17 +298,33 @@ def test_transient_replies_are_deleted_on_ack_and_no_ack_at_claim(
         assert counts(pg) == {"completed": 1}
 
 
-def test_one_drain_events_call_delivers_one_message(broker_url: str,
-                                                    pg: psycopg.Connection) -> None:
-    # kombu.pidbox.Mailbox._collect(limit=N) calls drain_events N times and stops: with two
-    # replies claimed by the first call, the second waits for a third until the timeout.
+def test_one_drain_events_call_delivers_a_claim_and_the_next_calls_count_it(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    # Everything one claim returned is delivered by one call, highest priority first.
+    # kombu.pidbox.Mailbox._collect(limit=N) counts replies by drain_events calls: with two
+    # replies delivered by its first call, its second call must not wait its timeout for a
+    # third. It returns at once, delivering nothing; the one after waits again.
     with connect(broker_url) as conn:
         producer = kombu.Producer(conn.default_channel)
-        for n in range(2):
-            producer.publish({"reply": n}, routing_key="replies", delivery_mode=TRANSIENT)
+        for n in range(3):
+            producer.publish({"reply": n}, routing_key="replies", delivery_mode=TRANSIENT,
+                             priority=n % 2)
         collector = Collector(conn, ["replies"], no_ack=True)
         conn.drain_events(timeout=10)
-        assert collector.bodies == [{"reply": 0}]
+        assert collector.bodies == [{"reply": 1}, {"reply": 0}, {"reply": 2}]
+        conn.drain_events(timeout=60)  # (would raise socket.timeout after a minute)
+        conn.drain_events(timeout=60)
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.2)
+        assert len(collector.bodies) == 3
+        # a cancelled consumer (the end of a Mailbox call) starts the count again
+        producer.publish({"reply": 3}, routing_key="replies", delivery_mode=TRANSIENT)
+        producer.publish({"reply": 4}, routing_key="replies", delivery_mode=TRANSIENT)
+        conn.drain_events(timeout=10)
+        assert len(collector.bodies) == 5
+        collector.cancel()
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.2)
 
 
 # -- queue arguments -------------------------------------------------------------------------------
