@@ -25,11 +25,11 @@ import psycopg
 
 from ._store import Store
 
-T = TypeVar("T")
-
 __all__ = ["Sweeper", "SweepResult", "lock_class"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def lock_class(schema: str) -> int:
