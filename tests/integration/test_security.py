@@ -338,6 +338,7 @@ def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
                        "SELECT body FROM pgbroker.broadcasts", "SELECT * FROM pgbroker.consumers",
                        audit),
         worker_url: (audit, "SELECT * FROM pgbroker.audit", "DELETE FROM pgbroker.migrations",
+                     "SELECT * FROM pgbroker.admin_sessions",
                      "CREATE TABLE pgbroker.intruder (id int)"),
     }
     for url, statements in refused.items():
