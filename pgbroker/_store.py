@@ -393,6 +393,10 @@ class Store:
         if not results[-1].ntuples:  # no NOTIFY: nothing was inserted
             self.duplicates([job])
 
+    def insert_dead(self, job: NewJob, error: str) -> None:
+        """A message kept as a dead letter at once (``job_insert_dead``: unroutable)."""
+        self._execute("job_insert_dead", {**job.params(), "error": _error(error)})
+
     def insert_many(self, jobs: Sequence[NewJob]) -> None:
         if jobs:
             rows = self._execute("job_insert_many",

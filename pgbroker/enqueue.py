@@ -220,6 +220,14 @@ class _Target:
                 conn.execute("SELECT 1")
         self._jobs.append((settings, job))
 
+    def add_dead(self, job: NewJob, settings: Settings, error: str) -> None:
+        """Write a dead letter (an unroutable message: ``job_insert_dead``) into the caller's
+        transaction now."""
+        conn = _driver_connection(self.db)
+        with _translate(settings):
+            conn.execute(queries(settings.schema)["job_insert_dead"],
+                         {**job.params(), "error": error})
+
     def flush(self) -> None:
         """Write what is buffered into the caller's current transaction (a statement a batch)."""
         if not self._jobs:

@@ -25,8 +25,8 @@ See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_att
 ``retention``, ``lease_timeout``, ``heartbeat_interval``, ``sweep_interval``, ``poll_interval``,
 ``claim_batch_max``, ``prune_batch_size``, ``use_advisory_locks``, ``max_message_size``,
 ``max_header_size``, ``connect_timeout``, ``durable_publish``, ``durable_acks``,
-``require_idempotency_key``; kombu's ``deadletter_queue`` keeps unroutable messages. Unknown
-options are an error.
+``require_idempotency_key``; kombu's ``deadletter_queue`` takes unroutable messages (else they
+are kept dead in ``pgbroker.unroutable``). Unknown options are an error.
 
 This module is glue: every statement is in :mod:`pgbroker._store`, every message check in
 :mod:`pgbroker._messages`.
@@ -89,6 +89,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a process trusts what it read of an exchange's bindings before reading them again.
 BINDINGS_TTL = 1.0
+
+#: The queue of the dead letters of unroutable messages (see Channel._unroutable).
+UNROUTABLE = "pgbroker.unroutable"
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05
@@ -350,24 +353,34 @@ class Channel(virtual.Channel):
 
     def _unroutable(self, message: dict[str, Any], exchange: str, routing_key: str,
                     mandatory: bool = False, **kwargs: Any) -> None:
-        """No queue is bound for this message. kombu's virtual transports drop it (or, with the
-        ``deadletter_queue`` option, put it there with an UndeliverableWarning), RabbitMQ drops
-        it unless ``mandatory``. Here nothing a producer meant to keep vanishes: the
-        ``deadletter_queue`` takes it if set, a transient message (a reply to a client that
-        left) is dropped as RabbitMQ drops it, and anything else -- or anything ``mandatory``
-        -- is refused with a MessageError that says why."""
-        reason = (f"no queue is bound to exchange {exchange!r} with routing key "
+        """No queue is bound for this message. RabbitMQ drops it (and returns it to a
+        ``mandatory`` publisher), kombu's virtual transports drop it unless the
+        ``deadletter_queue`` option names a queue for it (with an UndeliverableWarning), and
+        kombu's own test suite expects that. Here, as a kombu user expects, the publish raises
+        nothing -- but nothing a producer meant to keep vanishes: the ``deadletter_queue`` takes
+        it if set; else it is kept as a dead letter of :data:`UNROUTABLE` that says why (with
+        the warning). ``mandatory`` refuses it with a MessageError instead; a transient message
+        (a remote-control reply to a client that left) is dropped, as RabbitMQ drops it."""
+        reason = (f"unroutable: no queue is bound to exchange {exchange!r} with routing key "
                   f"{routing_key!r}")
-        if self.deadletter_queue:
-            warnings.warn(UndeliverableWarning(UNDELIVERABLE_FMT.format(
-                exchange=exchange, routing_key=routing_key)), stacklevel=2)
-            self._new_queue(self.deadletter_queue)
-            return self._put(self.deadletter_queue, message, **kwargs)
-        if not mandatory and message["properties"].get("delivery_mode") == TRANSIENT:
+        if mandatory:
+            raise MessageError(f"{reason}; nothing was stored (mandatory publish)")
+        if message["properties"].get("delivery_mode") == TRANSIENT:
             logger.debug("pgbroker: transient message dropped: %s", reason)
             return None
-        raise MessageError(f"unroutable message: {reason}; nothing was stored (declare and bind "
-                           "the queue first, or set the deadletter_queue transport option)")
+        warnings.warn(UndeliverableWarning(UNDELIVERABLE_FMT.format(
+            exchange=exchange, routing_key=routing_key)), stacklevel=2)
+        if self.deadletter_queue:
+            self._new_queue(self.deadletter_queue)
+            return self._put(self.deadletter_queue, message, **kwargs)
+        job = dataclasses.replace(self.new_job(UNROUTABLE, message), idempotency_key=None)
+        target = _current_target()
+        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
+            target.add_dead(job, self.settings, reason)
+        else:
+            self.store.insert_dead(job, reason)
+        logger.warning("pgbroker: %s; kept as a dead letter of queue %r", reason, UNROUTABLE)
+        return None
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:

@@ -30,6 +30,20 @@ SELECT pg_notify(%(channel)s,
                  greatest(extract(epoch FROM run_at - now()), 0)::text || ' ' || queue)
 FROM inserted;
 
+-- name: job_insert_dead
+-- A message no queue is bound for, published without mandatory: AMQP drops it, and the producer
+-- hears nothing. Nothing published may vanish here, so it is kept as a dead letter of the queue
+-- 'pgbroker.unroutable' (transport.UNROUTABLE) that says why, where an operator sees it; no
+-- NOTIFY, nobody is to run it. (No idempotency key: it must not swallow a later publish that
+-- finds its queue.) A duplicate inserts nothing, as in job_insert.
+INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
+                           content_type, content_encoding, headers, properties, state, priority,
+                           max_attempts, expires_at, message_digest, last_error)
+VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+        %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s, 'dead',
+        %(priority)s, %(max_attempts)s, %(expires_at)s, %(message_digest)s, %(error)s)
+ON CONFLICT DO NOTHING;
+
 -- name: job_insert_many
 -- Many messages in one statement (UNNEST of column arrays): one round trip per batch, and one
 -- NOTIFY per queue rather than per message (NOTIFY takes a global lock at commit). Returns a

@@ -28,6 +28,7 @@ import pgbroker
 from pgbroker._text import ESCAPED, MAX_NESTING, unescape
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from pgbroker.sweeper import Sweeper
+from pgbroker.transport import UNROUTABLE
 from tests.helpers import REPO_ROOT
 from tests.integration.transport_support import Collector, connect, jobs, publish, store_for
 
@@ -251,16 +252,34 @@ def _direct(conn: kombu.Connection, name: str = "orders", kind: str = "direct"
 
 
 @pytest.mark.parametrize("kind", ["direct", "topic"])
-def test_an_unroutable_publish_is_refused_not_dropped(broker_url: str, pg: psycopg.Connection,
-                                                      kind: str) -> None:
-    """RabbitMQ drops it (mandatory=False) and kombu's virtual transports too, unless a
-    ``deadletter_queue`` is set; pgbroker refuses it at publish, where the producer sees it."""
+def test_an_unroutable_publish_is_kept_dead_with_the_reason(
+        broker_url: str, pg: psycopg.Connection, kind: str) -> None:
+    """RabbitMQ drops it (mandatory=False) and the producer hears nothing -- kombu's own suite
+    expects that -- so the publish raises nothing; but it is kept where an operator sees it: a
+    dead letter of the queue pgbroker.unroutable that says why, with kombu's warning."""
     with connect(broker_url) as conn:
         exchange = _direct(conn, kind=kind)
-        with pytest.raises(MessageError, match="no queue is bound to exchange 'orders' with "
-                                               "routing key 'nobody'"):
+        with pytest.warns(UndeliverableWarning):
             kombu.Producer(conn.default_channel).publish(
-                {"n": 1}, exchange=exchange, routing_key="nobody", serializer="json")
+                {"n": 1}, exchange=exchange, routing_key="nobody", serializer="json",
+                headers={"idempotency_key": "k"})
+    [row] = jobs(pg)
+    assert (row["queue"], row["state"], row["exchange"], row["routing_key"]) == (
+        UNROUTABLE, "dead", "orders", "nobody")
+    assert row["last_error"] == ("unroutable: no queue is bound to exchange 'orders' with "
+                                 "routing key 'nobody'")
+    assert json.loads(bytes(row["body"])) == {"n": 1}
+    assert row["idempotency_key"] is None  # it must not swallow a later, routable publish
+
+
+def test_an_unroutable_mandatory_publish_is_refused(broker_url: str,
+                                                    pg: psycopg.Connection) -> None:
+    with connect(broker_url) as conn:
+        exchange = _direct(conn)
+        with pytest.raises(MessageError, match="no queue is bound"):
+            kombu.Producer(conn.default_channel).publish(
+                {"n": 1}, exchange=exchange, routing_key="nobody", serializer="json",
+                mandatory=True)
     assert jobs(pg) == []
 
 
@@ -277,6 +296,18 @@ def test_an_unroutable_transient_message_is_dropped_unless_mandatory(
             producer.publish({"n": 2}, exchange=exchange, routing_key="gone", serializer="json",
                              delivery_mode=1, mandatory=True)
     assert jobs(pg) == []
+
+
+def test_an_unroutable_publish_in_a_transaction_block_is_kept_in_it(
+        broker_url: str, db_url: str, pg: psycopg.Connection) -> None:
+    with psycopg.connect(db_url) as caller, connect(broker_url) as conn:
+        exchange = _direct(conn)
+        with pgbroker.transaction(caller), pytest.warns(UndeliverableWarning):
+            kombu.Producer(conn.default_channel).publish(
+                {"n": 1}, exchange=exchange, routing_key="nobody", serializer="json")
+        assert jobs(pg) == []  # the caller's transaction holds it ...
+        caller.rollback()
+    assert jobs(pg) == []  # ... and a rollback leaves nothing
 
 
 def test_an_unroutable_publish_goes_to_the_deadletter_queue_when_one_is_set(

@@ -18,7 +18,6 @@ import pytest
 
 import pgbroker
 from pgbroker._store import Store
-from pgbroker.errors import MessageError
 from pgbroker.sweeper import Sweeper
 from tests.helpers import wait_for
 from tests.integration.transport_support import (
@@ -137,13 +136,12 @@ def test_a_binding_made_after_a_publishers_lookup_routes_its_next_message(
     exchange = kombu.Exchange("late_reply", type="direct")
     with connect(broker_url) as client, connect(broker_url) as worker:
         producer = kombu.Producer(worker.default_channel, exchange=exchange)
-        with pytest.raises(MessageError, match="no queue is bound"):  # nobody bound yet
-            producer.publish({"n": 1}, routing_key="ticket1")
-        assert counts(pg) == {}
+        producer.publish({"n": 1}, routing_key="ticket1")  # nobody bound yet: a dead letter
+        assert counts(pg) == {"dead": 1}
         kombu.Queue("reply1", exchange=exchange, routing_key="ticket1")(
             client.default_channel).declare()
         producer.publish({"n": 2}, routing_key="ticket1")
-    assert routed(pg) == {"ticket1": ["reply1"]}
+    assert routed(pg) == {"ticket1": ["pgbroker.unroutable", "reply1"]}  # (the first: dead)
 
 
 def test_a_deleted_queue_gets_no_message_from_a_publisher_that_saw_its_binding(
