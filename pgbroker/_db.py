@@ -168,8 +168,9 @@ def translate_errors(what: str) -> Iterator[None]:
     except PgBrokerError:
         raise
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.TransactionRollback)):
-            raise  # a timeout, a deadlock: the statement failed, the connection is fine
+        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.TransactionRollback,
+                            psycopg.errors.LockNotAvailable)):
+            raise  # a timeout, a deadlock, a lock_timeout: the statement failed, not the link
         raise DatabaseUnavailable(f"{what}: {_first_line(exc)}") from exc
 
 

@@ -6,8 +6,16 @@ writes the error and traceback into the delivery's row first (matched by job id 
 and the ack of a failed attempt then ends the job ``dead``: a final failure is a dead letter that
 an operator sees and can retry, not a silent ``completed``.
 
-Limit: a pool process killed outside the task (SIGKILL) runs no hook; Celery then rejects the
-message (``task_reject_on_worker_lost``) or acks it as a ``WorkerLostError`` failure.
+The hook must not fail, or the ack completes the failed job: any text is stored (escaped where
+PostgreSQL text cannot hold it: ``pgbroker._text``), and a lost connection is retried on a new
+one for up to :data:`RECORD_FOR` seconds, before the pool process hands the task's result back
+(so before Celery acks it).
+
+Limits: a pool process killed outside the task (SIGKILL) runs no hook; Celery then rejects the
+message (``task_reject_on_worker_lost``) or acks it as a ``WorkerLostError`` failure, which Celery
+reports to the main process's hook. A pool process that cannot reach the database for
+:data:`RECORD_FOR` seconds while the main process can (its ack gets through) leaves the job
+``completed``; it logs the failure at ERROR.
 """
 
 from __future__ import annotations
@@ -16,14 +24,20 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+import uuid
 from typing import Any
 
 from celery import signals
 
 from ._messages import parse_delivery_tag
 from ._store import Store
+from .errors import DatabaseUnavailable
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a task's failure is retried on a new connection when the database cannot be reached.
+RECORD_FOR = 30.0
 
 _stores: dict[tuple[int, int], Store | None] = {}
 _lock = threading.Lock()
@@ -60,10 +74,49 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
         store = _store_for(sender.app)
         if store is None:
             return
-        error = f"{type(exception).__name__}: {exception}" if exception else "task failed"
-        store.fail(job_id, attempt, error[:10000], str(einfo) if einfo else None)
+        error = _describe(exception)[:10000] if exception is not None else "task failed"
+        _record(store, job_id, attempt, error, _describe(einfo, name=False) if einfo else None)
     except Exception as exc:  # noqa: BLE001 - never turn a task failure into a worker crash
-        logger.warning("pgbroker: could not record the failure of delivery %s: %s", tag, exc)
+        logger.error("pgbroker: could not record the failure of delivery %s (%s): %s; its ack "
+                     "may complete it", tag, _describe(exception), exc)
+
+
+def _describe(value: Any, name: bool = True) -> str:
+    """``"<type>: <text>"`` of an exception (its text alone with ``name=False``), even when
+    its ``__str__`` raises."""
+    try:
+        text = str(value)
+    except Exception:  # noqa: BLE001 - a hostile or broken __str__
+        try:
+            text = repr(value)
+        except Exception:  # noqa: BLE001
+            text = "(its text cannot be shown)"
+    return f"{type(value).__name__}: {text}" if name else text
+
+
+def _record(store: Store, job_id: uuid.UUID, attempt: int, error: str,
+            traceback: str | None) -> None:
+    """``store.fail``, retried on a new connection for up to RECORD_FOR seconds when the
+    database cannot be reached; a row that refuses the text (a trigger, say) gets the error's
+    first line alone."""
+    deadline = time.monotonic() + RECORD_FOR
+    delay = 0.1
+    while True:
+        try:
+            store.fail(job_id, attempt, error, traceback)
+            return
+        except DatabaseUnavailable:
+            store.close()
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        except Exception as exc:  # noqa: BLE001 - not the connection: try the bare minimum
+            logger.warning("pgbroker: recording the failure of job %s failed (%s); recording "
+                           "its first line alone", job_id, exc)
+            store.fail(job_id, attempt, error.splitlines()[0][:1000] if error else "task failed",
+                       None)
+            return
 
 
 def on_task_unknown(sender: Any = None, name: str | None = None, message: Any = None,

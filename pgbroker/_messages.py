@@ -13,14 +13,28 @@ from typing import Any
 import uuid6
 
 from ._store import NewJob
+from ._text import JsonError, jsonb_dumps, storable
 from .errors import IdempotencyKeyRequired, MessageError
 from .settings import Settings
 
-__all__ = ["MAX_NAME_LENGTH", "TRANSIENT", "REQUEUED", "validate_queue_name",
+__all__ = ["MAX_NAME_LENGTH", "MAX_NAME_BYTES", "MAX_BINDING_BYTES", "MAX_ID_BYTES",
+           "TRANSIENT", "REQUEUED", "validate_queue_name", "validate_binding",
            "parse_delivery_tag", "message_to_job", "kombu_payload", "due_now"]
 
 #: Longest queue, exchange or routing key name accepted (Celery's reply queues are ~55 characters).
 MAX_NAME_LENGTH = 1000
+
+# PostgreSQL's btree entries hold at most 2704 bytes (8 KiB pages), counted after compression,
+# so an incompressible value fails long before a repetitive one: the limits below are in bytes
+# of UTF-8 and keep every index entry under it uncompressed, each with its neighbours in the key.
+
+#: Longest name in bytes: queues head jobs_claim_idx and, with task ids, jobs_task_delivery_idx.
+MAX_NAME_BYTES = 1024
+#: A binding's exchange, routing key and queue together (bindings' primary key).
+MAX_BINDING_BYTES = 2600
+#: Longest task name, task id or idempotency key in bytes (jobs_idempotency_key_idx holds a
+#: task name and a key, jobs_task_delivery_idx a task id and a queue name).
+MAX_ID_BYTES = 1024
 
 _DROPPED_PROPERTIES = ("delivery_info", "delivery_tag")
 
@@ -41,7 +55,59 @@ def validate_queue_name(name: Any, what: str = "queue") -> str:
     if len(name) > MAX_NAME_LENGTH:
         raise MessageError(f"{what} name is {len(name)} characters long; the limit is "
                            f"{MAX_NAME_LENGTH}")
+    _storable(name, f"{what} name", MAX_NAME_BYTES)
     return name
+
+
+def validate_binding(exchange: str, routing_key: str, queue: str) -> None:
+    """Refuse a binding whose three names do not fit in one index entry together."""
+    size = sum(len(name.encode()) for name in (exchange, routing_key, queue))
+    if size > MAX_BINDING_BYTES:
+        raise MessageError(f"the binding's exchange, routing key and queue names are {size} "
+                           f"bytes in UTF-8 together; the limit is {MAX_BINDING_BYTES} bytes")
+
+
+def _storable(text: str, what: str, limit: int) -> str:
+    """``text`` if PostgreSQL text and its btree indexes can hold it, else a MessageError."""
+    if not storable(text):
+        raise MessageError(f"{what} {text[:80]!r} contains a NUL or a lone surrogate, which "
+                           "PostgreSQL text cannot hold")
+    size = len(text.encode())
+    if size > limit:
+        raise MessageError(f"{what} is {size} bytes in UTF-8; the limit is {limit} bytes")
+    return text
+
+
+def _identity(value: Any, what: str) -> str | None:
+    """A task name, task id or idempotency key as stored (None stays None)."""
+    return None if value is None else _storable(str(value), what, MAX_ID_BYTES)
+
+
+def _content_label(value: Any, what: str) -> str | None:
+    """content_type / content_encoding: short text, never cut at a NUL."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise MessageError(f"{what} must be a string, not {type(value).__name__}")
+    return _storable(value, what, MAX_NAME_BYTES)
+
+
+def _json_text(value: dict[str, Any], what: str) -> str:
+    """The jsonb text of a message's headers or properties (see pgbroker._text)."""
+    try:
+        return jsonb_dumps(value)
+    except JsonError as exc:
+        raise MessageError(f"message {what} cannot be stored: {exc}") from None
+
+
+def _retries(headers: dict[str, Any]) -> int:
+    retries = headers.get("retries")
+    if retries is None:
+        return 0
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise MessageError(f"the retries header must be a count (an integer >= 0), not "
+                           f"{retries!r}")
+    return retries
 
 
 def _delivery_tag(job_id: uuid.UUID, attempt: int, transient: bool = False) -> str:
@@ -105,14 +171,18 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
     for key in _DROPPED_PROPERTIES:
         properties.pop(key, None)
     task = headers.get("task")
-    retries = headers.get("retries") or 0
-    # A retry (Celery copies custom headers into it) continues its job; it is no new
-    # enqueue, so its key must not make the unique index swallow it.
-    key = headers.get("idempotency_key") if not retries else None
-    if key is None and not retries and task in settings.require_idempotency_key:
+    retries = _retries(headers)
+    key = _identity(headers.get("idempotency_key"), "idempotency key")
+    # Required of every message of the task, retries too: Celery copies custom headers into a
+    # retry, so a retry without the key was not sent by Celery's retry().
+    if key is None and task in settings.require_idempotency_key:
         raise IdempotencyKeyRequired(
             f"task {task!r} requires an idempotency key: pass "
             "headers={'idempotency_key': ...} or use pgbroker.enqueue(..., idempotency_key=)")
+    if retries:
+        # A retry continues its job; it is no new enqueue, so its key must not make the
+        # unique index swallow it.
+        key = None
     expires_at = _timestamp(headers.get("expires"), "expires")
     expiration = properties.get("expiration")
     if expiration is not None:  # AMQP per-message TTL, in milliseconds
@@ -125,24 +195,32 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
         raise MessageError(f"max_attempts header must be a positive integer, "
                            f"not {max_attempts!r}")
+    headers_json = _json_text(headers, "headers")
+    properties_json = _json_text(properties, "properties")
+    size = len(headers_json) + len(properties_json)  # ASCII: json.dumps escapes the rest
+    if size > settings.max_header_size:
+        raise MessageError(f"message headers and properties are {size} bytes of JSON; the limit "
+                           f"(max_header_size) is {settings.max_header_size}")
     return NewJob(
         id=uuid6.uuid7(),
         queue=queue or "",
         body=bytes(body),
-        content_type=message.get("content-type"),
-        content_encoding=message.get("content-encoding"),
+        content_type=_content_label(message.get("content-type"), "content type"),
+        content_encoding=_content_label(message.get("content-encoding"), "content encoding"),
         headers=headers,
         properties=properties,
         exchange=info.get("exchange") or "",
         routing_key=info.get("routing_key") or "",
-        task=task if isinstance(task, str) else None,
-        task_id=str(headers["id"]) if headers.get("id") is not None else None,
-        retries=retries if isinstance(retries, int) else 0,
+        task=_identity(task, "task name") if isinstance(task, str) else None,
+        task_id=_identity(headers.get("id"), "task id"),
+        retries=retries,
         priority=_priority(message),
         max_attempts=max_attempts,
         run_at=_timestamp(headers.get("eta"), "eta"),
         expires_at=expires_at,
-        idempotency_key=None if key is None else str(key),
+        idempotency_key=key,
+        headers_json=headers_json,
+        properties_json=properties_json,
     )
 
 

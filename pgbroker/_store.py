@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -31,11 +30,13 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from . import _db
+from ._text import escape, jsonb_dumps, register_jsonb_loaders
 from .migrate import check as check_schema
 from .migrate import migrate as run_migrations
 from .settings import Settings
 
-__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "message_digest", "queries"]
+__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "message_digest", "queries",
+           "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -49,6 +50,18 @@ REPLAN_SECONDS = 10.0
 ROLLUP_LAG = 10.0
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a claim waits for the rows of the acks folded into it; another session's lock on one
+#: of them (an open transaction in psql) must not hold up the consumer's claims.
+CLAIM_LOCK_TIMEOUT = 0.2
+
+#: Seconds a broadcast can be read (the sweeper prunes it then); a consumer remembers the ids it
+#: delivered for twice as long, so that a replayed NOTIFY of one delivers nothing.
+BROADCAST_TTL = 60.0
+
+#: Seconds a maintenance statement (the sweeper's) waits for a lock before that step is skipped
+#: until the next sweep: a lock held by another session must not hold up the lease's thread.
+MAINTENANCE_LOCK_TIMEOUT = 1.0
 
 #: Statements that create messages: durable unless the user opts into fast publishing.
 _PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcast_insert"})
@@ -100,14 +113,30 @@ class NewJob:
     run_at: datetime | None = None
     expires_at: datetime | None = None
     idempotency_key: str | None = None
+    #: ``headers`` and ``properties`` as jsonb text (escaped where needed: pgbroker._text),
+    #: made once where the message was checked; None: made from the dicts when sent.
+    headers_json: str | None = None
+    properties_json: str | None = None
+
+    def _json(self) -> tuple[str, str]:
+        return (self.headers_json if self.headers_json is not None else jsonb_dumps(self.headers),
+                self.properties_json if self.properties_json is not None
+                else jsonb_dumps(self.properties))
+
+    def jsonb(self) -> tuple[Jsonb, Jsonb]:
+        """``headers`` and ``properties`` as psycopg parameters."""
+        headers, properties = self._json()
+        return (Jsonb(self.headers, dumps=lambda _: headers),
+                Jsonb(self.properties, dumps=lambda _: properties))
 
     def params(self) -> dict[str, Any]:
+        headers, properties = self.jsonb()
         return {
             "id": self.id, "queue": self.queue, "task": self.task, "task_id": self.task_id,
             "retries": self.retries, "exchange": self.exchange, "routing_key": self.routing_key,
             "body": self.body, "content_type": self.content_type,
-            "content_encoding": self.content_encoding, "headers": Jsonb(self.headers),
-            "properties": Jsonb(self.properties), "priority": self.priority,
+            "content_encoding": self.content_encoding, "headers": headers,
+            "properties": properties, "priority": self.priority,
             "max_attempts": self.max_attempts, "run_at": self.run_at,
             "expires_at": self.expires_at, "idempotency_key": self.idempotency_key,
             "message_digest": self.digest(),
@@ -116,8 +145,7 @@ class NewJob:
     def text_params(self) -> dict[str, bytes | None]:
         """:meth:`params` as text-format parameters (the body and the digest stay bytes: binary
         format)."""
-        headers = json.dumps(self.headers).encode()
-        properties = json.dumps(self.properties).encode()
+        headers, properties = (text.encode() for text in self._json())
         return {
             "id": str(self.id).encode(), "queue": self.queue.encode(), "task": _text(self.task),
             "task_id": _text(self.task_id), "retries": b"%d" % self.retries,
@@ -132,13 +160,14 @@ class NewJob:
 
     def digest(self) -> bytes:
         """:func:`message_digest` of this message."""
-        return message_digest(self, json.dumps(self.headers).encode(),
-                              json.dumps(self.properties).encode())
+        headers, properties = self._json()
+        return message_digest(self, headers.encode(), properties.encode())
 
 
 def message_digest(job: NewJob, headers_json: bytes, properties_json: bytes) -> bytes:
     """SHA-256 of what the producer sent: body, content type and encoding, exchange, routing key,
-    and the JSON of the headers and properties (``json.dumps``, as stored; the properties hold
+    and the JSON of the headers and properties (as stored: ``json.dumps``, escaped where
+    PostgreSQL cannot hold a string, see pgbroker._text; the properties hold
     no ``delivery_tag``, which kombu makes anew for every ``_publish``).
 
     With the task id and the queue it is the publish dedupe key (``jobs_message_idx``): only a
@@ -153,6 +182,24 @@ def message_digest(job: NewJob, headers_json: bytes, properties_json: bytes) -> 
         b"%d" % len(job.body), job.body, (job.content_type or "").encode(),
         (job.content_encoding or "").encode(), job.exchange.encode(), job.routing_key.encode(),
         headers_json, properties_json))).digest()
+
+
+def _keep_locked(deliveries: list[tuple[uuid.UUID, int]],
+                 locked: list[tuple[uuid.UUID, int]] | None, what: str) -> None:
+    if not deliveries:
+        return
+    if locked is not None:
+        locked.extend(deliveries)
+    else:
+        logger.warning("pgbroker: %d %s(s) not done: another session holds their rows locked "
+                       "(the sweeper redelivers them once this consumer is gone)",
+                       len(deliveries), what)
+
+
+def _error(text: str | None) -> str | None:
+    """An error or traceback as a text column holds it: escaped if it must be (NUL, lone
+    surrogates: pgbroker._text), so recording a failure never fails for its text."""
+    return None if text is None else escape(text)
 
 
 def _text(value: Any) -> bytes | None:
@@ -228,6 +275,7 @@ class Store:
         self._lock = threading.Lock()
         self._exec_lock = threading.RLock()
         self._sync: bool | None = None  # the connection's synchronous_commit, as last set
+        self._lock_timeout: float | None = None  # its lock_timeout as last set (None: its own)
         self._prepared: dict[str, list[str]] = {}  # statements prepared on it: parameter names
         self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
         self._pid = os.getpid()
@@ -254,8 +302,10 @@ class Store:
                 # of a claim. Every statement here is written for its generic plan, and the
                 # claim's is asserted in tests/bench/test_query_plans.py.
                 conn.execute("SET plan_cache_mode = force_generic_plan")
+            register_jsonb_loaders(conn)  # claimed rows: unescaped, and one bad row alone
             self._conn = conn
             self._sync = None
+            self._lock_timeout = None
             self._prepared = {}
             self._replan_at = monotonic() + REPLAN_SECONDS
             return conn
@@ -276,6 +326,7 @@ class Store:
             self._exec_lock = threading.RLock()
             self._conn = None
             self._sync = None
+            self._lock_timeout = None
 
     def close(self) -> None:
         self._check_fork()
@@ -284,27 +335,36 @@ class Store:
             self._conn = None
 
     def _execute(self, name: str, params: dict[str, Any] | None = None, binary: bool = False,
-                 durable: bool = True) -> psycopg.Cursor[Any]:
+                 durable: bool = True, lock_timeout: float | None = None) -> psycopg.Cursor[Any]:
         """Run a named query. ``durable=False`` marks consumer bookkeeping (claim, ack,
-        requeue), which commits without waiting for the WAL flush unless ``durable_acks``."""
+        requeue), which commits without waiting for the WAL flush unless ``durable_acks``.
+        ``lock_timeout``: seconds the statement may wait for a lock, longer raises
+        ``psycopg.errors.LockNotAvailable``; None: the connection's own setting (the URL's
+        ``options``, else PostgreSQL's default: no limit)."""
         sync = self.settings.durable_acks if not durable else (
             self.settings.durable_publish if name in _PUBLISHES else True)
         self._check_fork()
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
-            self._before_statement(conn, sync)
+            self._before_statement(conn, sync, lock_timeout)
             return conn.cursor(binary=binary, row_factory=tuple_row).execute(self.q[name], params)
 
-    def _before_statement(self, conn: psycopg.Connection[Any], sync: bool) -> None:
+    def _before_statement(self, conn: psycopg.Connection[Any], sync: bool,
+                          lock_timeout: float | None = None) -> None:
         """Before every statement: drop the cached plans when they are due (``REPLAN_SECONDS``;
         the statements stay prepared, for psycopg's cache and ours), and set
-        ``synchronous_commit`` for this statement."""
+        ``synchronous_commit`` and ``lock_timeout`` for this statement (each only when it
+        changes: maintenance and the claim set a timeout, the rest do not)."""
         if monotonic() >= self._replan_at:
             conn.execute("DISCARD PLANS")
             self._replan_at = monotonic() + REPLAN_SECONDS
         if self._sync is not sync:
             conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
             self._sync = sync
+        if self._lock_timeout != lock_timeout:
+            conn.execute("RESET lock_timeout" if lock_timeout is None
+                         else f"SET lock_timeout = {int(lock_timeout * 1000)}")
+            self._lock_timeout = lock_timeout
 
     # -- publish ---------------------------------------------------------------------------------
 
@@ -333,6 +393,10 @@ class Store:
         if not results[-1].ntuples:  # no NOTIFY: nothing was inserted
             self.duplicates([job])
 
+    def insert_dead(self, job: NewJob, error: str) -> None:
+        """A message kept as a dead letter at once (``job_insert_dead``: unroutable)."""
+        self._execute("job_insert_dead", {**job.params(), "error": _error(error)})
+
     def insert_many(self, jobs: Sequence[NewJob]) -> None:
         if jobs:
             rows = self._execute("job_insert_many",
@@ -350,21 +414,31 @@ class Store:
     # -- consume ---------------------------------------------------------------------------------
 
     def claim(self, queue: str, limit: int, consumer: uuid.UUID,
-              acks: Iterable[tuple[uuid.UUID, int]] = ()) -> list[JobRow]:
+              acks: Iterable[tuple[uuid.UUID, int]] = (),
+              locked: list[tuple[uuid.UUID, int]] | None = None) -> list[JobRow]:
         """Take up to ``limit`` due jobs of ``queue``, acknowledging ``acks`` in the same
-        statement (plain acks only: no deletion)."""
+        statement (plain acks only: no deletion). An ack whose row another session holds
+        locked would make the claim wait: after CLAIM_LOCK_TIMEOUT the claim is made again
+        without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows)."""
         ids, attempts = _split(acks)
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
                   "attempts": attempts}
-        for retry in range(3):
+        retries = 0
+        while True:
             try:
-                cur = self._execute("job_claim", params, binary=True, durable=False)
+                cur = self._execute("job_claim", params, binary=True, durable=False,
+                                    lock_timeout=CLAIM_LOCK_TIMEOUT if ids else None)
                 break
             except psycopg.errors.DeadlockDetected:
                 # Rare (about 1 in 15,000 claims with 4 busy consumers): the statement was
                 # rolled back, acks included, so running it again is safe.
-                if retry == 2:
+                retries += 1
+                if retries == 3:
                     raise
+            except psycopg.errors.LockNotAvailable:
+                _keep_locked(list(zip(ids, attempts)), locked, "ack")
+                ids, attempts = [], []
+                params.update(ids=ids, attempts=attempts)
         rows = [JobRow(*row) for row in cur.fetchall()]
         rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
         return rows
@@ -380,32 +454,46 @@ class Store:
         row = self._execute("job_next_due", {"queues": list(queues)}).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
-    def ack(self, deliveries: Iterable[tuple[uuid.UUID, int]], delete: bool = False) -> int:
-        """Complete deliveries; ``delete`` (transient messages, or retention 0) removes them."""
+    def ack(self, deliveries: Iterable[tuple[uuid.UUID, int]], delete: bool = False,
+            locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
+        """Complete deliveries; ``delete`` (transient messages, or retention 0) removes them.
+        Returns how many were acked; those whose row another session holds locked go to
+        ``locked``, to be acked later (see job_ack)."""
         ids, attempts = _split(deliveries)
         if not ids:
             return 0
         name = "job_ack_delete" if delete or self.settings.retention == 0 else "job_ack"
-        return self._execute(name, {"ids": ids, "attempts": attempts}, durable=False).rowcount
+        return self._settle(name, {"ids": ids, "attempts": attempts}, locked, "ack")
 
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
-                error: str | None = None) -> None:
+                error: str | None = None,
+                locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
         ids, attempts = _split(deliveries)
-        if ids:
-            self._execute("job_requeue", {"ids": ids, "attempts": attempts, "error": error,
-                                          "channel": self.settings.channel}, durable=False)
+        if not ids:
+            return 0
+        return self._settle("job_requeue", {"ids": ids, "attempts": attempts,
+                                            "error": _error(error),
+                                            "channel": self.settings.channel}, locked, "requeue")
 
-    def bury(self, job_id: uuid.UUID, attempt: int | None, error: str) -> int:
-        if attempt is None:
-            return self._execute("job_bury_row", {"id": job_id, "error": error},
-                                 durable=False).rowcount
-        return self._execute("job_bury", {"id": job_id, "attempt": attempt, "error": error},
-                             durable=False).rowcount
+    def bury(self, job_id: uuid.UUID, attempt: int, error: str,
+             locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
+        return self._settle("job_bury", {"id": job_id, "attempt": attempt,
+                                         "error": _error(error)}, locked, "bury")
+
+    def _settle(self, name: str, params: dict[str, Any],
+                locked: list[tuple[uuid.UUID, int]] | None, what: str) -> int:
+        """Run an ack, requeue or bury (rows: id, attempt, done); the deliveries not done
+        because their row is locked go to ``locked``."""
+        rows = self._execute(name, params, durable=False).fetchall()
+        _keep_locked([(r[0], r[1]) for r in rows if not r[2]], locked, what)
+        return sum(1 for r in rows if r[2])
 
     def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None) -> int:
-        """Record that the task of this delivery raised (before its ack)."""
-        return self._execute("job_fail", {"id": job_id, "attempt": attempt, "error": error,
-                                          "traceback": traceback}).rowcount
+        """Record that the task of this delivery raised (before its ack). It waits for a lock
+        on the row: its ack must not come first (pgbroker._failures)."""
+        return self._execute("job_fail", {"id": job_id, "attempt": attempt,
+                                          "error": _error(error),
+                                          "traceback": _error(traceback)}).rowcount
 
     # -- remote control (sql/revoke.sql) ---------------------------------------------------------
 
@@ -463,34 +551,37 @@ class Store:
         """Orphaned running jobs back to pending (or dead); returns (requeued, dead, consumers)."""
         row = self._execute("job_rescue", {
             "lease": self.settings.lease_timeout, "lock_class": lock_class, "limit": limit,
-            "channel": self.settings.channel}).fetchone()
+            "channel": self.settings.channel}, lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         assert row is not None
         return int(row[0]), int(row[1]), int(row[2])
 
     def expire(self, limit: int = 1000) -> int:
-        return self._execute("job_expire", {"limit": limit}).rowcount
+        return self._execute("job_expire", {"limit": limit},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     def promote_all(self, limit: int = 1000) -> int:
-        row = self._execute("job_promote_all", {"limit": limit,
-                                                "channel": self.settings.channel}).fetchone()
+        row = self._execute("job_promote_all", {"limit": limit, "channel": self.settings.channel},
+                            lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         return int(row[0]) if row else 0
 
     def prune(self) -> int:
         return self._execute("job_prune", {"retention": self.settings.retention,
-                                           "limit": self.settings.prune_batch_size}).rowcount
+                                           "limit": self.settings.prune_batch_size},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     def rollup(self, minutes: int = 15) -> int:
         """Roll up to ``minutes`` closed minutes up for the admin page's charts, and sample the
         backlog once a minute (``stats_rollup`` in sql/admin.sql); returns the rows written.
         Nothing is written while another sweeper does it, or when nothing is due."""
-        if not self._execute("stats_rollup_due", {"lag": ROLLUP_LAG}).fetchone()[0]:
+        if not self._execute("stats_rollup_due", {"lag": ROLLUP_LAG},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()[0]:
             return 0
         params = {"lag": ROLLUP_LAG, "minutes": minutes,
                   "backfill": min(self.settings.retention, 86400.0)}
         self._check_fork()
         with self._exec_lock, _db.translate_errors("pgbroker stats_rollup"):
             conn = self.conn
-            self._before_statement(conn, True)
+            self._before_statement(conn, True, MAINTENANCE_LOCK_TIMEOUT)
             with conn.transaction():
                 # Its estimates (a function over a range known only at run time) pass
                 # jit_above_cost, and compiling took a second where running takes milliseconds.
@@ -529,11 +620,12 @@ class Store:
     def broadcast(self, job: NewJob, queues: Sequence[str] | None = None) -> None:
         """Write one message for every consumer bound to its exchange right now (of ``queues``
         only, if given); notify them."""
+        headers, properties = job.jsonb()
         self._execute("broadcast_insert", {
             "id": job.id, "exchange": job.exchange, "routing_key": job.routing_key,
             "body": job.body, "content_type": job.content_type,
-            "content_encoding": job.content_encoding, "headers": Jsonb(job.headers),
-            "properties": Jsonb(job.properties), "channel": self.settings.channel,
+            "content_encoding": job.content_encoding, "headers": headers,
+            "properties": properties, "channel": self.settings.channel,
             "queues": None if queues is None else list(queues)})
 
     def fanout(self, job: NewJob) -> None:
@@ -550,19 +642,24 @@ class Store:
         ``exchange``."""
         return [(r[0], r[1]) for r in self._execute("fanout_queues", {"exchange": exchange})]
 
-    def broadcast_get(self, broadcast_id: uuid.UUID) -> tuple[Any, ...] | None:
-        return self._execute("broadcast_get", {"id": broadcast_id}, binary=True).fetchone()
+    def broadcast_get(self, broadcast_id: uuid.UUID, ttl: float) -> tuple[Any, ...] | None:
+        """The broadcast, if it is younger than ``ttl`` seconds."""
+        return self._execute("broadcast_get", {"id": broadcast_id, "ttl": ttl},
+                             binary=True).fetchone()
 
-    def prune_broadcasts(self, ttl: float = 60.0, limit: int = 1000) -> int:
-        return self._execute("broadcast_prune", {"ttl": ttl, "limit": limit}).rowcount
+    def prune_broadcasts(self, ttl: float = BROADCAST_TTL, limit: int = 1000) -> int:
+        return self._execute("broadcast_prune", {"ttl": ttl, "limit": limit},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     def fold_duplicates(self, limit: int = 1000) -> int:
         """Fold the duplicate-publish counter rows into one per queue; returns the rows folded."""
-        row = self._execute("publish_duplicates_fold", {"limit": limit}).fetchone()
+        row = self._execute("publish_duplicates_fold", {"limit": limit},
+                            lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         return int(row[0]) if row else 0
 
     def expire_queues(self, limit: int = 100) -> int:
-        return self._execute("queue_expire", {"limit": limit}).rowcount
+        return self._execute("queue_expire", {"limit": limit},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     # -- consumers -------------------------------------------------------------------------------
 
@@ -606,14 +703,21 @@ class LoopStatements:
         with _db.translate_errors("preparing the claim"):
             conn.execute("SET synchronous_commit = " + ("on" if settings.durable_acks else "off"))
             conn.execute("SET plan_cache_mode = force_generic_plan")
+            # A claim waits for a row lock only on the rows of the acks folded into it (its
+            # candidates are SKIP LOCKED): one that meets a lock is sent again without its acks
+            # (as in Store.claim); one waiting for a table lock is sent again as it was.
+            conn.execute(f"SET lock_timeout = {int(CLAIM_LOCK_TIMEOUT * 1000)}")
             for name, key in self._STATEMENTS.items():
                 text, self._order[name] = _numbered(q[key])
                 _prepare(self._pgconn, name, text, [self._TYPES[n] for n in self._order[name]])
+        register_jsonb_loaders(conn)  # as in Store.connect
         self._tx = Transformer(conn)
         self._replan_at = monotonic() + REPLAN_SECONDS  # as in Store
-        self._sent: tuple[bytes, list[bytes]] | None = None
+        self._sent: tuple[bytes, list[bytes], list[tuple[uuid.UUID, int]]] | None = None
         self._results: list[Any] = []
         self._retries = 0
+        #: acks that met a row lock of another session: see take_locked
+        self._locked: list[tuple[uuid.UUID, int]] = []
 
     @property
     def busy(self) -> bool:
@@ -624,13 +728,27 @@ class LoopStatements:
         ids, attempts = _text_arrays(acks)
         self._send(b"pgbroker_claim", {"queue": queue.encode(), "limit": b"%d" % limit,
                                        "consumer": str(consumer).encode(), "ids": ids,
-                                       "attempts": attempts})
+                                       "attempts": attempts}, list(acks))
 
     def send_ack(self, acks: Sequence[tuple[uuid.UUID, int]]) -> None:
         ids, attempts = _text_arrays(acks)
-        self._send(b"pgbroker_ack", {"ids": ids, "attempts": attempts})
+        self._send(b"pgbroker_ack", {"ids": ids, "attempts": attempts}, list(acks))
 
-    def _send(self, name: bytes, params: dict[str, bytes] | list[bytes]) -> None:
+    def take_locked(self) -> list[tuple[uuid.UUID, int]]:
+        """The acks of finished statements that met another session's row lock: to be acked
+        later with job_ack (which skips locked rows), never folded into a claim again."""
+        locked, self._locked = self._locked, []
+        return locked
+
+    def _without_acks(self, name: bytes, values: list[bytes]) -> list[bytes]:
+        ids, attempts = _text_arrays([])
+        order = self._order[name]
+        values = list(values)
+        values[order.index("ids")], values[order.index("attempts")] = ids, attempts
+        return values
+
+    def _send(self, name: bytes, params: dict[str, bytes] | list[bytes],
+              acks: list[tuple[uuid.UUID, int]]) -> None:
         assert self._sent is None, "a statement is in flight already"
         values = params if isinstance(params, list) else [params[n] for n in self._order[name]]
         with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
@@ -638,14 +756,14 @@ class LoopStatements:
                 _run(self._pgconn, b"DISCARD PLANS")
                 self._replan_at = monotonic() + REPLAN_SECONDS
             _send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
-        self._sent = (name, values)
+        self._sent = (name, values, acks)
 
     def result(self, wait: bool = False) -> list[JobRow] | None:
         """The claimed rows (none for an ack) once the statement in flight has finished; None
         while it runs (or without one). The caller has read the socket (``consume_input``)."""
         pg = self._pgconn
         while self._sent is not None:
-            name, values = self._sent
+            name, values, acks = self._sent
             with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
                 if not _collect(pg, self._results, wait):
                     return None
@@ -656,14 +774,24 @@ class LoopStatements:
                 if isinstance(error, psycopg.errors.DeadlockDetected) and self._retries < 2:
                     # rolled back, acks included (see Store.claim): send it again
                     self._retries += 1
-                    self._send(name, values)
+                    self._send(name, values, acks)
+                    continue
+                if isinstance(error, psycopg.errors.LockNotAvailable):
+                    if acks and name == b"pgbroker_claim":
+                        # an ack's row is locked by another session: claim without the acks
+                        self._locked.extend(acks)
+                        values, acks = self._without_acks(name, values), []
+                    # else a table lock (LOCK TABLE, CREATE INDEX): wait for it, a slice a time
+                    self._send(name, values, acks)
                     continue
                 self._retries = 0
                 raise error
             self._retries = 0
-            if name != b"pgbroker_claim":
-                return []
             self._tx.set_pgresult(res)
+            if name != b"pgbroker_claim":  # job_ack: (id, attempt, done) of each delivery
+                done = self._tx.load_rows(0, res.ntuples, tuple)
+                self._locked.extend((row[0], row[1]) for row in done if not row[2])
+                return []
             rows = self._tx.load_rows(0, res.ntuples, lambda values: JobRow(*values))
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
             return rows

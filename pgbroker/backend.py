@@ -84,7 +84,9 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps as json_dumps
 
 from . import _db
+from ._messages import MAX_ID_BYTES
 from ._store import Store, queries
+from ._text import ESCAPED, escape, escape_json, storable
 from .errors import ConfigurationError, DatabaseUnavailable
 from .settings import Settings
 
@@ -278,9 +280,10 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
 
     def _set_task(self, task_id: str, payload: str | bytes, meta: Mapping[str, Any],
                   expires: float | None) -> None:
-        if "\x00" in task_id:
-            raise ValueError(f"task id {task_id!r} contains a NUL byte, which PostgreSQL "
-                             "text cannot store")
+        if not storable(task_id) or len(task_id.encode()) > MAX_ID_BYTES:
+            raise ValueError(f"task id {task_id[:80]!r} cannot be a key of PostgreSQL's results "
+                             f"table: it holds a NUL or a surrogate, or is over {MAX_ID_BYTES} "
+                             "bytes")
         self._run("result_set", {
             "task_id": task_id,
             "status": meta["status"],
@@ -579,21 +582,25 @@ def _bytes(value: str | bytes) -> bytes:
 
 
 def _text(value: Any) -> str | None:
-    """A text column's value: PostgreSQL text cannot hold NUL characters."""
+    """A text column's value, escaped where PostgreSQL text cannot hold it (NUL, surrogates:
+    pgbroker._text.unescape gives it back)."""
     if value is None:
         return None
-    return str(value).replace("\x00", "\\x00")
+    return escape(str(value))
 
 
 def _json_or_none(value: Any) -> str | None:
-    """``value`` as jsonb text, or None when jsonb cannot hold it (the payload still does)."""
+    """``value`` as jsonb text, strings escaped where needed; None when it is no JSON (the
+    payload keeps every result exactly)."""
     if value is None:
         return None
     try:
         text = json_dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
+        if "\\u0000" in text or "\\ud" in text or ESCAPED in text:  # as jsonb_dumps tells
+            text = json_dumps(escape_json(value), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
         return None
-    return None if "\\u0000" in text else text
+    return text
 
 
 def _timestamp(value: Any) -> datetime | None:

@@ -39,7 +39,16 @@ from kombu.transport import resolve_transport
 from . import _db, health
 from ._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from .errors import ConfigurationError, DatabaseUnavailable, PgBrokerError, SchemaError
-from .ops import DEFAULT_BATCH_SIZE, JOB_STATES, OperationError, Operations, body_text, os_user
+from .migrate import LOCK_TIMEOUT
+from .ops import (
+    DEFAULT_BATCH_SIZE,
+    IDLE_QUEUE_SECONDS,
+    JOB_STATES,
+    OperationError,
+    Operations,
+    body_text,
+    os_user,
+)
 from .settings import Settings
 from .transport import Transport
 
@@ -196,7 +205,7 @@ def _with_ops(handler: Callable[[Operations, argparse.Namespace], int | None]
 def cmd_migrate(args: argparse.Namespace) -> int:
     from .migrate import latest_version, migrate
 
-    applied = migrate(_url(args), args.schema)
+    applied = migrate(_url(args), args.schema, lock_timeout=args.lock_timeout)
     if applied:
         print(f"schema {args.schema}: applied migration(s) {', '.join(map(str, applied))}")
     else:
@@ -353,6 +362,13 @@ def cmd_resume(ops: Operations, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_queues_prune(ops: Operations, args: argparse.Namespace) -> int:
+    queues, exchanges = ops.prune_queues(args.idle)
+    print(f"deleted {queues} unused queue(s) (with their bindings) and {exchanges} exchange(s) "
+          "without bindings")
+    return 0
+
+
 def cmd_audit(ops: Operations, args: argparse.Namespace) -> int:
     return _print_rows(
         ops.audit(args.target, args.limit), args.json,
@@ -477,8 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lease-timeout", type=float, metavar="SECONDS",
                        help=f"{text} (default: the lease_timeout option, {d.lease_timeout:g})")
 
-    command("migrate", cmd_migrate, "Create or upgrade pgbroker's schema (safe to run from "
-            "several hosts at once: an advisory lock serialises it).")
+    p = command("migrate", cmd_migrate, "Create or upgrade pgbroker's schema (safe to run "
+                "from several hosts at once: an advisory lock serialises it).")
+    p.add_argument("--lock-timeout", type=float, default=LOCK_TIMEOUT, metavar="SECONDS",
+                   help="give up when another session holds the migration lock this long "
+                        f"(default: {LOCK_TIMEOUT:g})")
 
     p = command("stats", cmd_stats, "Show the queues' numbers: pending (due), scheduled, "
                 "running, dead, poison, completed/cancelled/expired within the window, "
@@ -553,6 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("resume", _with_ops(cmd_resume), "Resume a paused queue; its workers are woken "
                 "at once.")
     p.add_argument("queue", metavar="QUEUE")
+
+    queues = sub.add_parser("queues", help="Queue maintenance.", description="Queue "
+                            "maintenance.", parents=[common])
+    queues_sub = queues.add_subparsers(dest="queues_command", metavar="ACTION", required=True)
+    p = command("prune", _with_ops(cmd_queues_prune), "Delete the queues nobody uses: no "
+                "pending, scheduled or dead job, no consumer, not paused, not declared for "
+                "--idle seconds; with their bindings, and the exchanges left without one. A "
+                "queue declared again is created again.", queues_sub)
+    p.add_argument("--idle", type=float, default=IDLE_QUEUE_SECONDS, metavar="SECONDS",
+                   help=f"unused for this long (default: {IDLE_QUEUE_SECONDS:g}, a week)")
 
     p = command("audit", _with_ops(cmd_audit), "Show the audit log: who did what, when.")
     p.add_argument("--target", help="only the rows about this job id or queue name")

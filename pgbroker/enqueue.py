@@ -52,12 +52,12 @@ from psycopg.adapt import Dumper
 from psycopg.client_cursor import ClientCursorMixin
 from psycopg.pq import Format, TransactionStatus
 from psycopg.rows import tuple_row
-from psycopg.types.json import Jsonb
 
 from . import _db
-from ._messages import message_to_job
+from ._messages import MAX_ID_BYTES, message_to_job
 from ._store import (NewJob, insert_many_params, log_duplicates, lookup_params, message_digest,
                      queries)
+from ._text import ESCAPED, storable
 from .errors import ConfigurationError, MessageError, SchemaError
 from .settings import Settings
 
@@ -219,6 +219,14 @@ class _Target:
                     and conn.info.transaction_status == TransactionStatus.IDLE):
                 conn.execute("SELECT 1")
         self._jobs.append((settings, job))
+
+    def add_dead(self, job: NewJob, settings: Settings, error: str) -> None:
+        """Write a dead letter (an unroutable message: ``job_insert_dead``) into the caller's
+        transaction now."""
+        conn = _driver_connection(self.db)
+        with _translate(settings):
+            conn.execute(queries(settings.schema)["job_insert_dead"],
+                         {**job.params(), "error": error})
 
     def flush(self) -> None:
         """Write what is buffered into the caller's current transaction (a statement a batch)."""
@@ -560,6 +568,10 @@ class _Template:
                 kwargsrepr = saferepr(kwargs, self.kwargs_maxsize, maxlevels=self.maxlevels)
         except Exception:  # noqa: BLE001 - e.g. an int too long for str(): _build's MessageError
             return None
+        if not (_plain(argsrepr) and _plain(kwargsrepr)) or (
+                key is not None and not (type(key) is str and _plain(key)
+                                         and len(key.encode()) <= MAX_ID_BYTES)):
+            return None  # escaped or refused by _build (message_to_job)
         if self.encode_json is not None:
             try:
                 body = self.encode_json((args, kwargs, self.embed))
@@ -605,8 +617,11 @@ class _Template:
         return made
 
     def add_json(self, job: NewJob, json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> None:
-        """Put ``job``'s (one of this kind's) headers and properties as jsonb in ``json_of``."""
-        if self.headers_json is not None and self.properties_json is not None:
+        """Put ``job``'s (one of this kind's) headers and properties as jsonb in ``json_of``
+        (not for a job whose own values had to be escaped: its dicts are sent then)."""
+        if (self.headers_json is not None and self.properties_json is not None
+                and all(_plain(job.headers[key]) for key in self.headers_json.keys)
+                and _plain(job.properties["correlation_id"])):
             json_of[job.id] = (self.headers_json.fill(job.headers),
                                self.properties_json.fill(job.properties))
 
@@ -646,12 +661,25 @@ class _JsonPieces:
             self.keys.append(key)
             start = at + length
         pieces.append(text[start:].replace("%", "%%"))
+        if not all(_plain_json(piece) for piece in pieces):
+            return None  # something in it needs escaping (pgbroker._text): jsonb_dumps then
         self.format = "\x01" + "%s".join(pieces)
         return self
 
     def fill(self, value: dict[str, Any]) -> bytes:
         """The jsonb binary value (version byte 1, then the text) of ``value``."""
         return (self.format % tuple([_json_string(value[key]) for key in self.keys])).encode()
+
+
+def _plain(text: Any) -> bool:
+    """A string stored as it is, not escaped (pgbroker._text)."""
+    return type(text) is str and storable(text) and not text.startswith(ESCAPED)
+
+
+def _plain_json(text: str) -> bool:
+    """JSON text with no string in it that may need escaping (as pgbroker._text.jsonb_dumps
+    tells them: no \\u0000, no \\udXXX, no ESCAPED)."""
+    return "\\u0000" not in text and "\\ud" not in text and ESCAPED not in text
 
 
 def _json_encoder(serializer: Any) -> Any:
@@ -1019,8 +1047,9 @@ def _columns(conn: psycopg.Connection[Any], jobs: list[NewJob], channel: str,
             "timestamptz", [_NULL] * len(values), True)
     made = [json_of.pop(job.id, None) for job in jobs]  # each job is sent once: let them go
     if None in made:
-        params["headers"] = [Jsonb(job.headers) for job in jobs]
-        params["properties"] = [Jsonb(job.properties) for job in jobs]
+        values = [job.jsonb() for job in jobs]
+        params["headers"] = [headers for headers, _ in values]
+        params["properties"] = [properties for _, properties in values]
         digests.update((job.id, job.digest()) for job in jobs)
     else:
         params["headers"] = _array("jsonb", [_LENGTH(len(h)) + h for h, _ in made])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -19,7 +20,8 @@ from . import _db
 from .errors import SchemaError
 from .settings import Settings
 
-__all__ = ["migrate", "check", "apply", "load", "Migration", "MIGRATIONS", "latest_version"]
+__all__ = ["migrate", "check", "apply", "load", "Migration", "MIGRATIONS", "latest_version",
+           "LOCK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +62,20 @@ def _lock_key(schema: str) -> str:
     return f"pgbroker.migrate.{schema}"
 
 
-def migrate(conninfo: str, schema: str = "pgbroker") -> list[int]:
+#: Seconds a migration waits for another's advisory lock (any role that can connect can take
+#: it, and hold it for ever) before it gives up with a SchemaError that says who holds it.
+LOCK_TIMEOUT = 60.0
+
+
+def migrate(conninfo: str, schema: str = "pgbroker",
+            lock_timeout: float = LOCK_TIMEOUT) -> list[int]:
     """Apply pgbroker's pending migrations to ``schema``; return the versions applied."""
     Settings(schema=schema)  # validates the name
-    return apply(conninfo, schema, MIGRATIONS, what="pgbroker")
+    return apply(conninfo, schema, MIGRATIONS, what="pgbroker", lock_timeout=lock_timeout)
 
 
 def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],
-          what: str = "pgbroker") -> list[int]:
+          what: str = "pgbroker", lock_timeout: float = LOCK_TIMEOUT) -> list[int]:
     """Apply ``migrations`` (from :func:`load`) to ``schema``, in one transaction under an
     advisory lock, recording them in ``<schema>.migrations``; return the versions applied.
 
@@ -85,7 +93,7 @@ def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],
                 if all(m.version in done for m in migrations):
                     return []
         with _db.translate_errors(f"migrating the {what} schema"), conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (_lock_key(schema),))
+            _take_lock(conn, schema, lock_timeout, what)
             conn.execute(f"CREATE SCHEMA IF NOT EXISTS {ident}")
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {ident}.migrations ("
@@ -107,6 +115,31 @@ def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],
             return applied
     finally:
         _db.close(conn)
+
+
+def _take_lock(conn: psycopg.Connection[Any], schema: str, timeout: float, what: str) -> None:
+    """The migration's advisory lock, for this transaction; SchemaError after ``timeout``."""
+    key = _lock_key(schema)
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while not conn.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))",
+                           (key,)).fetchone()[0]:  # type: ignore[index]
+        if time.monotonic() >= deadline:
+            holders = conn.execute(
+                "SELECT a.pid, a.usename, a.application_name, a.state FROM pg_locks AS l"
+                " JOIN pg_stat_activity AS a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+                "   AND l.database = (SELECT oid FROM pg_database"
+                "                     WHERE datname = current_database())"
+                "   AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid", (key,)).fetchall()
+            who = ", ".join(f"pid {pid} ({user}, {app!r}, {state})"
+                            for pid, user, app, state in holders) or "another session"
+            raise SchemaError(
+                f"the {what} migration lock of schema {schema!r} is held by {who} for more "
+                f"than {timeout:g} s: another migration is running, or that session holds it "
+                "without one (end it with pg_terminate_backend if so), then migrate again")
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 def check(conn: psycopg.Connection[Any], schema: str) -> None:

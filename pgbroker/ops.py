@@ -36,6 +36,7 @@ from .settings import Settings
 
 __all__ = [
     "BULK_ACTIONS",
+    "IDLE_QUEUE_SECONDS",
     "JOB_STATES",
     "SMALL_STATES",
     "Browsed",
@@ -63,6 +64,9 @@ BULK_ACTIONS = {"retry": ("dead",), "discard": ("dead",), "cancel": ("pending", 
 
 #: Rows per batch of the long actions.
 DEFAULT_BATCH_SIZE = 1000
+
+#: Default of ``pgbroker queues prune --idle``: a week without a declaration or a consumer.
+IDLE_QUEUE_SECONDS = 7 * 86400.0
 
 _UUID_MIN = uuid.UUID(int=0)
 _UUID_MAX = uuid.UUID(int=(1 << 128) - 1)
@@ -461,6 +465,21 @@ class Operations:
     def resume(self, queue: str) -> bool:
         """Let workers claim from ``queue`` again (and wake them); False if it was not paused."""
         return self._set_paused(queue, False)
+
+    def prune_queues(self, idle: float = 0.0, *, batch_size: int = 1000) -> tuple[int, int]:
+        """Delete the queues nobody uses (see ``queue_prune``) unused for ``idle`` seconds,
+        with their bindings, and the exchanges as old left without a binding; returns how
+        many queues and exchanges. One audit row per batch that deleted something."""
+        queues = exchanges = 0
+        while True:
+            q, e = self._one("queue_prune", {**self._base(), "idle": idle, "limit": batch_size})
+            queues, exchanges = queues + q, exchanges + e
+            if q < batch_size:
+                break
+        if queues or exchanges:
+            logger.info("pgbroker: %s pruned %d unused queue(s) and %d exchange(s)", self.actor,
+                        queues, exchanges)
+        return queues, exchanges
 
     def _set_paused(self, queue: str, paused: bool) -> bool:
         self._require_queue(queue)

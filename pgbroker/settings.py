@@ -16,7 +16,8 @@ from .errors import ConfigurationError
 
 __all__ = ["Settings"]
 
-_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,47}$")
+# fullmatch: "$" alone also matches before a final newline, and "name\n" would pass
+_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,47}")
 
 # Options that kombu or Celery themselves read from transport_options; accepted and ignored here.
 _KOMBU_OPTIONS = frozenset({
@@ -55,6 +56,9 @@ class Settings:
     use_advisory_locks: bool = True
     #: Largest message body accepted at publish, in bytes (RabbitMQ's default is 16 MiB).
     max_message_size: int = 16 * 1024 * 1024
+    #: Largest headers and properties accepted at publish, together, in bytes of their JSON
+    #: (RabbitMQ's frame_max: a header frame larger than 128 KiB fails there).
+    max_header_size: int = 128 * 1024
     #: Seconds to wait for a connection to the database.
     connect_timeout: float = 10.0
     #: Wait for the WAL flush when publishing (PostgreSQL's synchronous_commit). Off is an opt-in
@@ -68,7 +72,7 @@ class Settings:
     require_idempotency_key: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.schema, str) or not _SCHEMA_RE.match(self.schema):
+        if not isinstance(self.schema, str) or not _SCHEMA_RE.fullmatch(self.schema):
             raise ConfigurationError(
                 f"schema {self.schema!r} is not a valid pgbroker schema name: use lower-case "
                 "letters, digits and underscores, at most 48 characters, not starting with a digit"
@@ -77,7 +81,8 @@ class Settings:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be true or false, not "
                                          f"{getattr(self, name)!r}")
-        for name in ("max_attempts", "claim_batch_max", "prune_batch_size", "max_message_size"):
+        for name in ("max_attempts", "claim_batch_max", "prune_batch_size", "max_message_size",
+                     "max_header_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")

@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import psycopg
 
 from ._store import Store
 
 __all__ = ["Sweeper", "SweepResult", "lock_class"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def lock_class(schema: str) -> int:
@@ -58,20 +64,26 @@ class Sweeper:
         self.lock_class = lock_class(store.settings.schema)
 
     def run_once(self, prune_batches: int = 10) -> SweepResult:
-        """Do one pass; prune at most ``prune_batches`` batches so a pass stays short."""
-        rescued, buried, consumers = self.store.rescue(self.lock_class)
-        expired = self.store.expire()
-        promoted = self.store.promote_all()
+        """Do one pass; prune at most ``prune_batches`` batches so a pass stays short.
+
+        Rows another session holds locked are skipped (SKIP LOCKED), and a step that still
+        meets a lock gives up after ``MAINTENANCE_LOCK_TIMEOUT`` until the next pass: a lock
+        left open in psql must not hold up the lease's heartbeats, which share this thread."""
+        rescued, buried, consumers = self._step("rescue", lambda: self.store.rescue(
+            self.lock_class), (0, 0, 0))
+        expired = self._step("expiry", self.store.expire, 0)
+        promoted = self._step("promotion", self.store.promote_all, 0)
         pruned = 0
         for _ in range(prune_batches):
-            n = self.store.prune()
+            n = self._step("pruning", self.store.prune, 0)
             pruned += n
             if n < self.store.settings.prune_batch_size:
                 break
-        queues = self.store.expire_queues()
-        broadcasts = self.store.prune_broadcasts()
-        statistics = self.store.rollup()  # once a minute, by one sweeper; else it writes nothing
-        folded = self.store.fold_duplicates()
+        queues = self._step("queue expiry", self.store.expire_queues, 0)
+        broadcasts = self._step("broadcast pruning", self.store.prune_broadcasts, 0)
+        # once a minute, by one sweeper; else it writes nothing
+        statistics = self._step("statistics", self.store.rollup, 0)
+        folded = self._step("duplicate folding", self.store.fold_duplicates, 0)
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
                              broadcasts, statistics, folded)
         if rescued or buried:
@@ -82,3 +94,11 @@ class Sweeper:
             # `celery status` leaves one behind when it exits without closing its connection.
             logger.debug("pgbroker sweeper: %s", result)
         return result
+
+    def _step(self, what: str, run: Callable[[], T], skipped: T) -> T:
+        try:
+            return run()
+        except psycopg.errors.LockNotAvailable:
+            logger.warning("pgbroker sweeper: %s skipped until the next pass: another session "
+                           "holds a lock it needs (a transaction left open?)", what)
+            return skipped

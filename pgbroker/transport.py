@@ -24,8 +24,9 @@ Transport Options
 See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_attempts``,
 ``retention``, ``lease_timeout``, ``heartbeat_interval``, ``sweep_interval``, ``poll_interval``,
 ``claim_batch_max``, ``prune_batch_size``, ``use_advisory_locks``, ``max_message_size``,
-``connect_timeout``, ``durable_publish``, ``durable_acks``, ``require_idempotency_key``.
-Unknown options are an error.
+``max_header_size``, ``connect_timeout``, ``durable_publish``, ``durable_acks``,
+``require_idempotency_key``; kombu's ``deadletter_queue`` takes unroutable messages (else they
+are kept dead in ``pgbroker.unroutable``). Unknown options are an error.
 
 This module is glue: every statement is in :mod:`pgbroker._store`, every message check in
 :mod:`pgbroker._messages`.
@@ -42,6 +43,7 @@ import select
 import socket
 import threading
 import uuid
+import warnings
 from time import monotonic
 from typing import Any
 
@@ -49,7 +51,12 @@ import psycopg
 import uuid6
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
-from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES, TopicExchange
+from kombu.transport.virtual.base import UNDELIVERABLE_FMT, UndeliverableWarning
+from kombu.transport.virtual.exchange import (
+    STANDARD_EXCHANGE_TYPES,
+    DirectExchange,
+    TopicExchange,
+)
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
@@ -64,11 +71,15 @@ from ._messages import (
     kombu_payload,
     message_to_job,
     parse_delivery_tag,
+    validate_binding,
     validate_queue_name,
 )
-from ._store import JobRow, LoopStatements, NewJob, Store
+from ._settle import RETRY as SETTLE_RETRY
+from ._settle import Settler
+from ._store import BROADCAST_TTL, JobRow, LoopStatements, NewJob, Store
+from ._text import Unreadable
 from .enqueue import _current_target
-from .errors import DatabaseUnavailable
+from .errors import DatabaseUnavailable, MessageError
 from .settings import Settings
 
 __all__ = ["Transport", "Channel", "QoS", "Message", "MAX_NAME_LENGTH",
@@ -78,6 +89,12 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a process trusts what it read of an exchange's bindings before reading them again.
 BINDINGS_TTL = 1.0
+
+#: The queue of the dead letters of unroutable messages (see Channel._unroutable).
+UNROUTABLE = "pgbroker.unroutable"
+
+#: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
+WAKE_COALESCE = 0.05
 
 def _wait_readable(fd: int, timeout: float) -> bool:
     """Wait until ``fd`` is readable (poll(2): select(2) fails on descriptors above 1023)."""
@@ -117,7 +134,7 @@ class QoS(virtual.QoS):
         if delivery is not None:
             job_id, attempt, transient = delivery
             if reason is not None:
-                channel.store.bury(job_id, attempt, reason)
+                channel.transport.settle_rows("bury", [(job_id, attempt)], reason)
             elif channel.transport.defer_acks and not transient and \
                     self.channel.settings.retention:
                 # In the worker's event loop: sent with the next claim, or at the end of this
@@ -125,7 +142,8 @@ class QoS(virtual.QoS):
                 channel.pending_acks.append((job_id, attempt))
                 channel.transport.request_turn()
             else:
-                channel.store.ack([(job_id, attempt)], delete=transient)
+                channel.transport.settle_rows("ack_delete" if transient else "ack",
+                                              [(job_id, attempt)])
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -135,12 +153,21 @@ class QoS(virtual.QoS):
         if delivery is not None:
             job_id, attempt, _ = delivery
             if requeue and reason is None:
-                channel.store.requeue([(job_id, attempt)], REQUEUED)
+                channel.transport.settle_rows("requeue", [(job_id, attempt)], REQUEUED)
             else:
-                channel.store.bury(job_id, attempt,
-                                   reason or "rejected by the consumer without requeue")
+                channel.transport.settle_rows(
+                    "bury", [(job_id, attempt)], reason or "rejected by the consumer without requeue")
         self._quick_ack(delivery_tag)
         channel.transport.request_turn()  # a prefetch slot is free
+
+    def refuse(self, delivery_tag: str, delivery: tuple[uuid.UUID, int], reason: str) -> None:
+        """A delivery its consumer failed on: ``dead`` with ``reason``, its prefetch slot free."""
+        channel: Channel = self.channel
+        if delivery_tag in self._delivered:
+            channel._undecodable[delivery_tag] = reason
+            self.reject(delivery_tag, requeue=False)
+        else:  # a no_ack consumer's: not tracked
+            channel.transport.settle_rows("bury", [delivery], reason)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Give every unacked delivery back in one statement (warm shutdown, recover)."""
@@ -155,7 +182,7 @@ class QoS(virtual.QoS):
             return []
         try:
             deliveries = [d[:2] for d in map(parse_delivery_tag, tags) if d is not None]
-            self.channel.store.requeue(deliveries, "restored unacked")
+            self.channel.transport.settle_rows("requeue", deliveries, "restored unacked")
         except Exception as exc:  # noqa: BLE001 - the sweeper rescues them after the lease
             logger.warning("pgbroker: could not requeue %d unacked message(s): %s; they are "
                            "redelivered once this consumer's lease expires", len(tags), exc)
@@ -166,6 +193,15 @@ class QoS(virtual.QoS):
             self._on_collect.cancel()
             return
         super().restore_unacked_once(stderr)
+
+
+class _DirectExchange(DirectExchange):
+    """Direct routing; a message no binding matches is the channel's to decide (``_unroutable``)
+    rather than dropped without a word."""
+
+    def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
+                **kwargs: Any) -> None:
+        self.channel._route(message, exchange, routing_key, **kwargs)
 
 
 class _TopicExchange(TopicExchange):
@@ -180,7 +216,7 @@ class _TopicExchange(TopicExchange):
         if message["properties"].get("delivery_mode") == TRANSIENT:
             self.channel._broadcast(exchange, message)
         else:
-            super().deliver(message, exchange, routing_key, **kwargs)
+            self.channel._route(message, exchange, routing_key, **kwargs)
 
 
 def topic_matches(binding_key: str, routing_key: str) -> bool:
@@ -213,7 +249,8 @@ class Channel(virtual.Channel):
 
     QoS = QoS
     Message = Message
-    exchange_types = {**STANDARD_EXCHANGE_TYPES, "topic": _TopicExchange}
+    exchange_types = {**STANDARD_EXCHANGE_TYPES, "direct": _DirectExchange,
+                      "topic": _TopicExchange}
     supports_fanout = True  # bindings are in the database: every process sees them
     body_encoding = None  # the body is stored as bytes; no base64 detour
     default_priority = 0
@@ -227,6 +264,9 @@ class Channel(virtual.Channel):
         self.settings: Settings = connection.settings
         self._undecodable: dict[str, str] = {}
         self._more = True          # a claim may find something
+        self._woken = False        # ... because a NOTIFY said so (see wake)
+        self._quiet_until = 0.0    # wake-ups wait until then (see wake)
+        self._held_wake = False    # one is waiting
         self._rotation = 0         # fairness between queues
         self._round: list[str] = []  # event loop: the queues still to claim from in this round
         self._declared: set[str] = set()
@@ -257,6 +297,7 @@ class Channel(virtual.Channel):
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
         validate_queue_name(routing_key or "-", "routing key")
+        validate_binding(exchange, routing_key or "", queue)
         self.store.bind(exchange, routing_key or "", queue)
         self._bound.pop(exchange, None)
 
@@ -284,14 +325,62 @@ class Channel(virtual.Channel):
         return cached[1]
 
     def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
-        found = super()._lookup(exchange, routing_key, default)
-        if found or not exchange:
+        """The queues bound to ``exchange`` that ``routing_key`` matches; [] for none (the
+        dead-letter queue is :meth:`_unroutable`'s choice, after the database was asked)."""
+        if not exchange:
+            return [routing_key or default]
+        try:
+            found = self.typeof(exchange).lookup(self.get_table(exchange), exchange,
+                                                 routing_key, None)
+        except KeyError:
+            found = []
+        if found:
             return list(found)
         # Bound by another process (a client's reply queue): ask the database, every time -- a
         # cached answer would drop a reply to a queue bound a moment ago, or feed a deleted one.
         kind = self.typeof(exchange).type
         return [queue for key, queue in self.store.bindings(exchange)
                 if _matches(kind, key, routing_key)]
+
+    def _route(self, message: dict[str, Any], exchange: str, routing_key: str,
+               **kwargs: Any) -> None:
+        """Put a direct or topic message into every queue it matches."""
+        queues = [queue for queue in self._lookup(exchange, routing_key) if queue]
+        if not queues:
+            return self._unroutable(message, exchange, routing_key, **kwargs)
+        for queue in queues:
+            self._put(queue, message, **kwargs)
+
+    def _unroutable(self, message: dict[str, Any], exchange: str, routing_key: str,
+                    mandatory: bool = False, **kwargs: Any) -> None:
+        """No queue is bound for this message. RabbitMQ drops it (and returns it to a
+        ``mandatory`` publisher), kombu's virtual transports drop it unless the
+        ``deadletter_queue`` option names a queue for it (with an UndeliverableWarning), and
+        kombu's own test suite expects that. Here, as a kombu user expects, the publish raises
+        nothing -- but nothing a producer meant to keep vanishes: the ``deadletter_queue`` takes
+        it if set; else it is kept as a dead letter of :data:`UNROUTABLE` that says why (with
+        the warning). ``mandatory`` refuses it with a MessageError instead; a transient message
+        (a remote-control reply to a client that left) is dropped, as RabbitMQ drops it."""
+        reason = (f"unroutable: no queue is bound to exchange {exchange!r} with routing key "
+                  f"{routing_key!r}")
+        if mandatory:
+            raise MessageError(f"{reason}; nothing was stored (mandatory publish)")
+        if message["properties"].get("delivery_mode") == TRANSIENT:
+            logger.debug("pgbroker: transient message dropped: %s", reason)
+            return None
+        warnings.warn(UndeliverableWarning(UNDELIVERABLE_FMT.format(
+            exchange=exchange, routing_key=routing_key)), stacklevel=2)
+        if self.deadletter_queue:
+            self._new_queue(self.deadletter_queue)
+            return self._put(self.deadletter_queue, message, **kwargs)
+        job = dataclasses.replace(self.new_job(UNROUTABLE, message), idempotency_key=None)
+        target = _current_target()
+        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
+            target.add_dead(job, self.settings, reason)
+        else:
+            self.store.insert_dead(job, reason)
+        logger.warning("pgbroker: %s; kept as a dead letter of queue %r", reason, UNROUTABLE)
+        return None
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
@@ -370,6 +459,14 @@ class Channel(virtual.Channel):
 
     # -- publish ---------------------------------------------------------------------------------
 
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
+                      **kwargs: Any) -> Any:
+        if exchange:  # names that no binding can match are refused, not routed to nowhere
+            validate_queue_name(exchange, "exchange")
+            if routing_key:
+                validate_queue_name(routing_key, "routing key")
+        return super().basic_publish(message, exchange, routing_key, **kwargs)
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         job = self.new_job(queue, message)
         target = _current_target()
@@ -435,14 +532,14 @@ class Channel(virtual.Channel):
         for delete in (True, False):
             batch = [d[:2] for d in deliveries if (d[2] or self.settings.retention == 0) == delete]
             if batch:
-                self.store.ack(batch, delete=delete)
+                self.transport.settle_rows("ack_delete" if delete else "ack", batch)
 
     def flush_acks(self) -> None:
         """Write the deferred acks now."""
         self.transport.settle()
         acks, self.pending_acks = self.pending_acks, []
         if acks:
-            self.store.ack(acks)
+            self.transport.settle_rows("ack", acks)
 
     def claim_and_deliver(self) -> int:
         """Synchronous path (``drain_events``): claim what the free prefetch slots allow and
@@ -461,11 +558,14 @@ class Channel(virtual.Channel):
         for queue in ordered:
             want = limit - delivered
             acks, self.pending_acks = self.pending_acks, []
-            rows = self.store.claim(queue, want, consumer, acks)
+            locked: list[tuple[uuid.UUID, int]] = []
+            rows = self.store.claim(queue, want, consumer, acks, locked)
+            self.transport.settle_later("ack", locked)
             full = full or len(rows) >= want
             delivered += self._hand_over(queue, rows)
             if delivered >= limit:
                 break
+        self._claimed(delivered > 0)
         # A full batch means more may be waiting; otherwise wait for a NOTIFY, a due timer or
         # the poll fallback.
         self._more = full
@@ -492,18 +592,55 @@ class Channel(virtual.Channel):
     def claimed(self, queue: str, want: int, rows: list[JobRow]) -> None:
         """Hand over the rows of a claim sent by :meth:`send_claim`."""
         self._hand_over(queue, rows)
+        self._claimed(bool(rows))
         if len(rows) >= want:  # a full batch: more may be waiting, in a new round
             self._more = True
             self._round = []
 
+    def wake(self) -> None:
+        """A NOTIFY says a job is due in a queue of this channel: claim. Any role that can
+        connect can send one, so after a claim woken this way found nothing, the next wake-up
+        waits for the end of WAKE_COALESCE: a flood of them costs one claim per window, not one
+        each (a real job then waits that long at most)."""
+        if monotonic() >= self._quiet_until:
+            self._more = True
+            self._woken = True
+            self._held_wake = False
+        else:
+            self._held_wake = True
+            self.transport.wake_at(self._quiet_until)
+
+    def _claimed(self, found: bool) -> None:
+        if found:
+            self._quiet_until = 0.0
+        elif self._woken:
+            self._quiet_until = monotonic() + WAKE_COALESCE
+        self._woken = False
+
     def _hand_over(self, queue: str, rows: list[JobRow]) -> int:
-        """Hand claimed rows to the consumer of ``queue``; returns how many were handed over."""
+        """Hand claimed rows to the consumer of ``queue``; returns how many were handed over.
+
+        A row the consumer's own code fails on before running it (Celery raised, for a
+        protocol-2 body that is not ``[args, kwargs, embed]``, and its worker exited) goes dead
+        with the cause, alone: the rest of the batch is handed over, and no other worker is
+        crashed by a redelivery of it."""
         handed = []
         for row in rows:
             payload = self._payload(row)
-            if payload is not None:
+            if payload is None:
+                continue
+            tag = payload["properties"]["delivery_tag"]
+            try:
                 self.transport.hand_over(self, payload, row.queue)
-                handed.append(payload["properties"]["delivery_tag"])
+            except self.transport.connection_errors:
+                raise
+            except Exception as exc:  # noqa: BLE001 - see above
+                reason = (f"the consumer failed on it before running it: "
+                          f"{type(exc).__name__}: {exc}")
+                logger.error("pgbroker: job %s goes dead: %s", row.id, reason, exc_info=True)
+                self.qos.refuse(tag, (row.id, row.attempt), reason)
+                continue
+            handed.append(tag)
         if handed and queue in self._no_ack:
             self._ack_at_claim(handed)
         return len(handed)
@@ -511,8 +648,11 @@ class Channel(virtual.Channel):
     def _payload(self, row: JobRow) -> dict[str, Any] | None:
         """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""
         try:
-            if not isinstance(row.headers, dict) or not isinstance(row.properties, dict):
-                raise TypeError("headers and properties must be JSON objects")
+            for what, value in (("headers", row.headers), ("properties", row.properties)):
+                if isinstance(value, Unreadable):  # see pgbroker._text.load_jsonb
+                    raise ValueError(f"its {what} cannot be read back: {value.reason}")
+                if not isinstance(value, dict):
+                    raise TypeError("headers and properties must be JSON objects")
             tag = _delivery_tag(row.id, row.attempt,
                                 row.properties.get("delivery_mode") == TRANSIENT)
             headers = due_now(row.headers)  # due by the database clock: by this one too
@@ -521,7 +661,8 @@ class Channel(virtual.Channel):
                                  tag, redelivered=row.attempt > 1)
         except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer
             logger.error("pgbroker: job %s is malformed and goes dead: %s", row.id, exc)
-            self.store.bury(row.id, row.attempt, f"malformed job row: {type(exc).__name__}: {exc}")
+            self.transport.settle_rows("bury", [(row.id, row.attempt)],
+                                       f"malformed job row: {type(exc).__name__}: {exc}")
             return None
 
     def basic_recover(self, requeue: bool = False) -> Any:
@@ -589,6 +730,14 @@ class Transport(virtual.Transport):
         self._ready: collections.deque[tuple[Channel, dict[str, Any], str]] = collections.deque()
         #: drain_events calls that return at once, having delivered a batch (see there)
         self._credit = 0
+        self._settler = Settler(self.store)  # what met another session's row lock
+        self._settle_entry: Any = None
+        #: wake-ups held back (Channel.wake) until then, and its timer in the event loop
+        self._wake_due: float | None = None
+        self._wake_entry: Any = None
+        self._due_checked_at = 0.0  # when _refresh_due last asked the database
+        #: broadcast id -> when it was delivered here (see _deliver_broadcast)
+        self._broadcasts_seen: dict[str, float] = {}
 
     @staticmethod
     def _conninfo(client: Any) -> str:
@@ -637,6 +786,16 @@ class Transport(virtual.Transport):
             self._unregister_loop()
             if "lease" in self.__dict__:
                 self.lease.close()
+            if self._settler.pending:  # a last try; what is left stays running, rescued later
+                try:
+                    self._settler.retry()
+                except Exception as exc:  # noqa: BLE001 - the sweeper redelivers them
+                    logger.warning("pgbroker: delivery updates not written at close: %s", exc)
+                if self._settler.pending:
+                    logger.warning("pgbroker: %d delivery update(s) still wait for another "
+                                   "session's row lock at close; the sweeper redelivers them",
+                                   len(self._settler.pending))
+                    self._settler.pending = []
             _db.close(self._listener)
             self._listener = None
             self._line, self.in_flight = None, None
@@ -679,7 +838,7 @@ class Transport(virtual.Transport):
             for channel in self.channels:
                 if rest in channel._active_queues:
                     if delay <= 0:
-                        channel._more = True
+                        channel.wake()
                     else:
                         # the payload's delay was measured at INSERT, not at COMMIT: ask the
                         # database clock once per loop turn, however many arrived
@@ -687,18 +846,20 @@ class Transport(virtual.Transport):
         return delivered
 
     def _deliver_broadcast(self, broadcast_id: str, exchange: str) -> int:
-        """Hand a broadcast to this process's consumed queues bound to ``exchange``."""
+        """Hand a broadcast to this process's consumed queues bound to ``exchange``, once: any
+        role that can connect can replay its NOTIFY, or name another exchange in it."""
         bound = [(channel, queue, key) for channel in self.channels
                  for queue in channel._active_queues
                  for ex, key, _ in self.state.queue_bindings(queue) if ex == exchange]
-        if not bound:
+        if not bound or broadcast_id in self._broadcasts_seen:
             return 0
         try:
-            row = self.store.broadcast_get(uuid.UUID(broadcast_id))
+            row = self.store.broadcast_get(uuid.UUID(broadcast_id), BROADCAST_TTL)
         except ValueError:
             return 0
-        if row is None:  # pruned already
+        if row is None or row[0] != exchange:  # pruned already, or a spoofed exchange
             return 0
+        self._seen_broadcast(broadcast_id)
         _, routing_key, body, content_type, content_encoding, headers, properties, queues = row
         kind = self.state.exchanges.get(exchange, {}).get("type", "fanout")
         delivered = 0
@@ -710,6 +871,55 @@ class Transport(virtual.Transport):
                     routing_key, 0, f"b/{broadcast_id}/{n}", redelivered=False), queue)
                 delivered += 1
         return delivered
+
+    def _seen_broadcast(self, broadcast_id: str) -> None:
+        now = monotonic()
+        seen = self._broadcasts_seen
+        seen[broadcast_id] = now
+        while seen:  # oldest first (insertion order): forget what can no longer be read
+            oldest = next(iter(seen))
+            if now - seen[oldest] < 2 * BROADCAST_TTL:
+                break
+            del seen[oldest]
+
+    def wake_at(self, at: float) -> None:
+        """Wake the channels that held back a wake-up (Channel.wake) at ``at`` (monotonic)."""
+        if self._wake_due is not None and self._wake_due <= at:
+            return
+        self._wake_due = at
+        if self._loop is not None:
+            if self._wake_entry is not None:
+                self._wake_entry.cancel()
+            self._wake_entry = self._loop.call_later(max(at - monotonic(), 0.0), self._on_wake_due)
+
+    def _on_wake_due(self) -> None:
+        self._wake_due, self._wake_entry = None, None
+        for channel in self.channels:
+            if channel._held_wake and channel._active_queues:
+                channel.wake()
+        self.request_turn()
+
+    # -- acks, requeues and burials that met another session's row lock (pgbroker._settle) ----
+
+    def settle_rows(self, op: str, deliveries: list[tuple[uuid.UUID, int]],
+                    error: str | None = None) -> None:
+        """``op`` ("ack", "ack_delete", "requeue" or "bury") on these deliveries now; those
+        whose row another session holds locked are done again a second later."""
+        self._settler(op, deliveries, error)
+        self._arm_settle()
+
+    def settle_later(self, op: str, deliveries: list[tuple[uuid.UUID, int]]) -> None:
+        self._settler.keep(op, deliveries)
+        self._arm_settle()
+
+    def _arm_settle(self) -> None:
+        if self._settler.pending and self._loop is not None and self._settle_entry is None:
+            self._settle_entry = self._loop.call_later(SETTLE_RETRY, self._retry_unsettled)
+
+    def _retry_unsettled(self) -> None:
+        self._settle_entry = None
+        self._settler.retry()
+        self._arm_settle()
 
     # -- due timers (scheduled jobs) -------------------------------------------------------------
 
@@ -785,10 +995,11 @@ class Transport(virtual.Transport):
                 channel.flush_acks()
             except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
                 logger.warning("pgbroker: acks not written: %s", exc)
-        for entry in self._timers + [self._due_entry]:
+        for entry in self._timers + [self._due_entry, self._settle_entry, self._wake_entry]:
             if entry is not None:
                 entry.cancel()
         self._timers, self._due_entry, self._due_at = [], None, None
+        self._settle_entry, self._wake_entry, self._wake_due = None, None, None
         fds = [self._wake[0]] if self._wake else []
         if self._listener is not None and not self._listener.closed:
             fds.append(self._listener.fileno())
@@ -838,6 +1049,7 @@ class Transport(virtual.Transport):
         """Hand over the rows of the claim in flight, if it has finished."""
         if self._line is None or (rows := self._line.result()) is None:
             return
+        self.settle_later("ack", self._line.take_locked())
         claim, self.in_flight = self.in_flight, None
         if claim is not None:
             channel, queue, want = claim
@@ -849,15 +1061,22 @@ class Transport(virtual.Transport):
             return
         claim, self.in_flight = self.in_flight, None
         rows = self._line.result(wait=True)
+        self.settle_later("ack", self._line.take_locked())
         if rows and claim is not None:
-            self.store.requeue([(row.id, row.attempt) for row in rows], "restored unacked")
+            self.settle_rows("requeue", [(row.id, row.attempt) for row in rows],
+                             "restored unacked")
 
     def _refresh_due(self) -> None:
-        if self._due_dirty:
-            self._due_dirty = False
-            queues = self._consumed_queues()
-            if queues:
-                self.schedule_due(self.store.next_due(queues))
+        if not self._due_dirty:
+            return
+        if monotonic() - self._due_checked_at < WAKE_COALESCE:  # spoofed ones: see wake()
+            self.wake_at(self._due_checked_at + WAKE_COALESCE)
+            return
+        self._due_dirty = False
+        self._due_checked_at = monotonic()
+        queues = self._consumed_queues()
+        if queues:
+            self.schedule_due(self.store.next_due(queues))
 
     def _turn(self) -> None:
         """One turn of the event loop: send a claim (with the deferred acks) for a channel that
@@ -896,7 +1115,7 @@ class Transport(virtual.Transport):
         self._ready.extend(kept)
         deliveries = [d[:2] for d in map(parse_delivery_tag, mine) if d is not None and not d[2]]
         if deliveries:
-            channel.store.requeue(deliveries, "restored unacked")
+            self.settle_rows("requeue", deliveries, "restored unacked")
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """Deliver everything one claim returned (and the broadcasts read meanwhile), highest
@@ -909,6 +1128,8 @@ class Transport(virtual.Transport):
         """
         deadline = None if timeout is None else monotonic() + timeout
         while True:
+            if self._settler.due:  # the synchronous path has no timers
+                self._settler.retry()
             if not self._ready:
                 for channel in list(self.channels):
                     if channel._more and channel._active_queues:
@@ -924,12 +1145,16 @@ class Transport(virtual.Transport):
             if self._due_at is not None and now >= self._due_at:
                 self._on_due()
                 continue
+            if self._wake_due is not None and now >= self._wake_due:
+                self._on_wake_due()
+                continue
             if now - self._last_poll >= self.settings.poll_interval:
                 self._poll()
                 continue
             wait = self._last_poll + self.settings.poll_interval - now
-            if self._due_at is not None:
-                wait = min(wait, self._due_at - now)
+            for at in (self._due_at, self._wake_due):
+                if at is not None:
+                    wait = min(wait, at - now)
             if deadline is not None:
                 if now >= deadline:
                     raise socket.timeout()

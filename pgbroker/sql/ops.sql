@@ -296,3 +296,46 @@ WITH changed AS (
 )
 SELECT (SELECT count(*) FROM changed), (SELECT count(*) FROM audited),
        (SELECT count(*) FROM woken);
+
+-- name: queue_prune
+-- Queues nobody uses any more, unused for %(idle)s seconds: every name a producer or a client
+-- ever declared keeps its row in queues (and exchanges, bindings) otherwise -- reply queues
+-- without x-expires, a script's throw-away names. Not paused (the operator's flag stays), no
+-- living consumer, no pending, scheduled or dead job (running and finished jobs need no queue
+-- row). Deleted with their bindings (cascade), then the exchanges as old left with no binding;
+-- a queue or exchange declared again is created again. Audited when something went.
+WITH idle AS MATERIALIZED (
+    SELECT q.name FROM {schema}.queues AS q
+    WHERE NOT q.paused
+      AND q.last_used_at < now() - make_interval(secs => %(idle)s)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c WHERE q.name = ANY (c.queues))
+      -- a state as a constant each: one probe of its partial index
+      AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j
+                      WHERE j.state = 'pending' AND j.queue = q.name)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j
+                      WHERE j.state = 'scheduled' AND j.queue = q.name)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j
+                      WHERE j.state = 'dead' AND j.queue = q.name)
+    ORDER BY q.last_used_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), queues_gone AS (
+    DELETE FROM {schema}.queues WHERE name IN (SELECT name FROM idle)
+    RETURNING name
+), exchanges_gone AS (
+    -- (the cascade's deletions are not visible in this statement's snapshot: hence NOT IN)
+    DELETE FROM {schema}.exchanges AS e
+    WHERE e.created_at < now() - make_interval(secs => %(idle)s)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.bindings AS b
+                      WHERE b.exchange = e.name
+                        AND b.queue NOT IN (SELECT name FROM queues_gone))
+    RETURNING name
+), audited AS (
+    INSERT INTO {schema}.audit (actor, action, target, detail)
+    SELECT %(actor)s, 'queue.prune', NULL,
+           jsonb_build_object('via', %(via)s::text, 'idle', %(idle)s::float8,
+                              'queues', (SELECT count(*) FROM queues_gone),
+                              'exchanges', (SELECT count(*) FROM exchanges_gone))
+    WHERE EXISTS (SELECT 1 FROM queues_gone) OR EXISTS (SELECT 1 FROM exchanges_gone)
+)
+SELECT (SELECT count(*) FROM queues_gone), (SELECT count(*) FROM exchanges_gone);

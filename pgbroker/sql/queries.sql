@@ -30,6 +30,20 @@ SELECT pg_notify(%(channel)s,
                  greatest(extract(epoch FROM run_at - now()), 0)::text || ' ' || queue)
 FROM inserted;
 
+-- name: job_insert_dead
+-- A message no queue is bound for, published without mandatory: AMQP drops it, and the producer
+-- hears nothing. Nothing published may vanish here, so it is kept as a dead letter of the queue
+-- 'pgbroker.unroutable' (transport.UNROUTABLE) that says why, where an operator sees it; no
+-- NOTIFY, nobody is to run it. (No idempotency key: it must not swallow a later publish that
+-- finds its queue.) A duplicate inserts nothing, as in job_insert.
+INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
+                           content_type, content_encoding, headers, properties, state, priority,
+                           max_attempts, expires_at, message_digest, last_error)
+VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+        %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s, 'dead',
+        %(priority)s, %(max_attempts)s, %(expires_at)s, %(message_digest)s, %(error)s)
+ON CONFLICT DO NOTHING;
+
 -- name: job_insert_many
 -- Many messages in one statement (UNNEST of column arrays): one round trip per batch, and one
 -- NOTIFY per queue rather than per message (NOTIFY takes a global lock at commit). Returns a
@@ -131,33 +145,57 @@ WHERE state = 'running';  -- the claimed rows, not the acked ones
 -- failed_attempt, so it ends 'dead' with its error -- a dead letter, not a silent 'completed'.
 -- A job revoked while it was claimed (job_revoke) ends 'cancelled', whatever its task did: the
 -- worker discarded it, terminated it, or ran it to its end (its error, if any, stays).
-UPDATE {schema}.jobs AS j
--- (locked_at, the claim's time, stays: the admin page's run times are claim -> ack)
-SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
-                 WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
-    updated_at = now()
-FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running';
+-- Never waits for a row another session has locked (an open transaction in psql, say): such a
+-- delivery is returned as not done, and the consumer tries it again later; the others are acked
+-- now. (The claim folds acks into one statement without this; see Store.claim.)
+WITH due AS MATERIALIZED (
+    -- the deliveries still to ack, read without locking (a locked row is read as committed)
+    SELECT j.id, j.attempts FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+      ON j.id = d.id AND j.attempts = d.attempt
+    WHERE j.state = 'running'
+), taken AS MATERIALIZED (
+    SELECT j.id FROM {schema}.jobs AS j
+    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    FOR UPDATE SKIP LOCKED
+), acked AS (
+    UPDATE {schema}.jobs AS j
+    -- (locked_at, the claim's time, stays: the admin page's run times are claim -> ack)
+    SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+                     WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
+        updated_at = now()
+    FROM taken WHERE j.id = taken.id
+    RETURNING j.id
+)
+-- every delivery found to ack, and whether it was (false: its row is locked, try again)
+SELECT id, attempts, id IN (SELECT id FROM acked) FROM due;
 
 -- name: job_ack_delete
 -- Retention 0: an acked delivery is deleted at once -- unless its task failed (kept, 'dead') or
--- it was revoked (kept, 'cancelled', until the next prune, as job_ack would end it).
-WITH deleted AS (
-    DELETE FROM {schema}.jobs AS j
-    USING unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-    WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
-      AND j.failed_attempt IS DISTINCT FROM j.attempts AND j.revoked_at IS NULL
+-- it was revoked (kept, 'cancelled', until the next prune, as job_ack would end it). Locked rows
+-- as in job_ack.
+WITH due AS MATERIALIZED (
+    SELECT j.id, j.attempts FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+      ON j.id = d.id AND j.attempts = d.attempt
+    WHERE j.state = 'running'
+), taken AS MATERIALIZED (
+    SELECT j.id, j.failed_attempt IS DISTINCT FROM j.attempts AND j.revoked_at IS NULL AS done
+    FROM {schema}.jobs AS j
+    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    FOR UPDATE SKIP LOCKED
+), deleted AS (
+    DELETE FROM {schema}.jobs AS j USING taken
+    WHERE j.id = taken.id AND taken.done
     RETURNING j.id
-), failed AS (
+), kept AS (
     UPDATE {schema}.jobs AS j
     SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
         updated_at = now()
-    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-    WHERE j.id = d.id AND j.attempts = d.attempt AND j.state = 'running'
-      AND (j.failed_attempt = j.attempts OR j.revoked_at IS NOT NULL)
+    FROM taken WHERE j.id = taken.id AND NOT taken.done
     RETURNING j.id
 )
-SELECT (SELECT count(*) FROM deleted) + (SELECT count(*) FROM failed);
+SELECT id, attempts, id IN (SELECT id FROM deleted UNION ALL SELECT id FROM kept) FROM due;
 
 -- name: job_fail
 -- The task of this delivery raised (recorded from the worker process that ran it, before the
@@ -173,8 +211,18 @@ WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed
 -- name: job_requeue
 -- A delivery given back (reject with requeue, shutdown with prefetched messages, recover): the
 -- same row goes back to 'pending' -- never a re-insert, which an idempotency key would swallow.
--- Out of attempts, it goes 'dead' instead of looping; revoked while claimed, 'cancelled'.
-WITH requeued AS (
+-- Out of attempts, it goes 'dead' instead of looping; revoked while claimed, 'cancelled'. Locked
+-- rows as in job_ack.
+WITH due AS MATERIALIZED (
+    SELECT j.id, j.attempts FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+      ON j.id = d.id AND j.attempts = d.attempt
+    WHERE j.state = 'running'
+), taken AS MATERIALIZED (
+    SELECT j.id FROM {schema}.jobs AS j
+    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    FOR UPDATE SKIP LOCKED
+), requeued AS (
     UPDATE {schema}.jobs
     SET state = CASE WHEN jobs.revoked_at IS NOT NULL THEN 'cancelled'
                      WHEN jobs.attempts >= jobs.max_attempts THEN 'dead' ELSE 'pending' END,
@@ -184,28 +232,37 @@ WITH requeued AS (
                                       coalesce(%(error)s::text, 'requeued by the consumer'))
                           ELSE coalesce(%(error)s::text, jobs.last_error) END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
-    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-    WHERE jobs.id = d.id AND jobs.attempts = d.attempt AND jobs.state = 'running'
-    RETURNING jobs.queue, jobs.state
+    FROM taken WHERE jobs.id = taken.id
+    RETURNING jobs.id, jobs.queue, jobs.state
+), woken AS (
+    SELECT pg_notify(%(channel)s, '0 ' || queue)
+    FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q
 )
-SELECT pg_notify(%(channel)s, '0 ' || queue)
-FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q;
+SELECT id, attempts, id IN (SELECT id FROM requeued) FROM due
+WHERE (SELECT count(*) FROM woken) >= 0;  -- (evaluates the NOTIFYs)
 
 -- name: job_bury
 -- A delivery that must not run again (reject without requeue, undecodable): 'dead', with why --
 -- the task's own error when this attempt raised, else the transport's reason. Revoked while
 -- claimed: 'cancelled', with the same reason (a revoked job is never a dead letter to retry).
-UPDATE {schema}.jobs
-SET state = CASE WHEN revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
-    last_error = CASE WHEN failed_attempt = attempts THEN last_error ELSE %(error)s END,
-    locked_at = NULL, locked_by = NULL, updated_at = now()
-WHERE id = %(id)s AND attempts = %(attempt)s AND state = 'running';
-
--- name: job_bury_row
--- A row the transport could not turn into a message at all: 'dead' whatever its attempt.
-UPDATE {schema}.jobs
-SET state = 'dead', last_error = %(error)s, locked_at = NULL, locked_by = NULL, updated_at = now()
-WHERE id = %(id)s AND state = 'running';
+-- Locked rows as in job_ack.
+WITH due AS MATERIALIZED (
+    SELECT j.id, j.attempts FROM {schema}.jobs AS j
+    WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND j.state = 'running'
+), taken AS MATERIALIZED (
+    SELECT j.id FROM {schema}.jobs AS j
+    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    FOR UPDATE SKIP LOCKED
+), buried AS (
+    UPDATE {schema}.jobs AS j
+    SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
+        last_error = CASE WHEN j.failed_attempt = j.attempts THEN j.last_error
+                          ELSE %(error)s END,
+        locked_at = NULL, locked_by = NULL, updated_at = now()
+    FROM taken WHERE j.id = taken.id
+    RETURNING j.id
+)
+SELECT id, attempts, id IN (SELECT id FROM buried) FROM due;
 
 -- name: job_promote
 -- Scheduled jobs that are due become claimable. Several consumers may run this at once: SKIP
@@ -267,6 +324,9 @@ FROM gone WHERE j.id = gone.id AND j.state IN ('pending', 'scheduled');
 -- A consumer is gone when its row is missing, its heartbeat is older than the lease, or (with
 -- advisory locks) the lock its session held is no longer held: its connection died.
 WITH gone AS MATERIALIZED (
+    -- FOR UPDATE SKIP LOCKED: a consumer whose row another session holds locked is never
+    -- declared gone meanwhile -- its heartbeat waits for that lock, and is the first to get it
+    -- when it goes (the sweeper does not queue for it).
     SELECT c.id FROM {schema}.consumers AS c
     WHERE c.heartbeat_at < now() - make_interval(secs => %(lease)s)
        OR (c.lock_key IS NOT NULL AND NOT EXISTS (
@@ -275,6 +335,7 @@ WITH gone AS MATERIALIZED (
                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                 AND l.classid = %(lock_class)s::oid AND l.objid = c.lock_key::oid
                 AND l.objsubid = 2))
+    FOR UPDATE SKIP LOCKED
 ), orphans AS MATERIALIZED (
     -- FOR UPDATE SKIP LOCKED with the state test: a job being acked right now is skipped, and
     -- one that completed between the read and the write is re-checked and left alone.
@@ -315,21 +376,33 @@ SELECT (SELECT count(*) FROM rescued WHERE state = 'pending'),
 -- name: job_prune
 -- Finished rows past the retention window, oldest first, one small batch per statement so that
 -- pruning never holds many locks or a long transaction.
+-- SKIP LOCKED: a row another session holds locked is pruned by a later pass.
 DELETE FROM {schema}.jobs
 WHERE id IN (SELECT id FROM {schema}.jobs
              WHERE state IN ('completed', 'cancelled', 'expired')
                AND updated_at < now() - make_interval(secs => %(retention)s)
              ORDER BY updated_at
-             LIMIT %(limit)s);
+             LIMIT %(limit)s
+             FOR UPDATE SKIP LOCKED);
 
 -- name: queue_declare
 -- The first declaration decides the queue's flags, as in AMQP (a row a binding created first,
--- or an older pgbroker, has none yet: they are filled in).
-INSERT INTO {schema}.queues AS q (name, arguments, durable, auto_delete)
-VALUES (%(name)s, %(arguments)s, %(durable)s, %(auto_delete)s)
-ON CONFLICT (name) DO UPDATE SET last_used_at = now(),
-                                 durable = coalesce(q.durable, EXCLUDED.durable),
-                                 auto_delete = coalesce(q.auto_delete, EXCLUDED.auto_delete);
+-- or an older pgbroker, has none yet: they are filled in). A declared queue is in use (x-expires
+-- counts from then). Never waits for another session's lock on an existing queue row (a pause
+-- in an open transaction): every producer declares its queue before its first publish, which
+-- must not wait; a locked row keeps its last_used_at and flags until the next declaration.
+WITH touched AS (
+    UPDATE {schema}.queues AS q
+    SET last_used_at = now(), durable = coalesce(q.durable, %(durable)s),
+        auto_delete = coalesce(q.auto_delete, %(auto_delete)s)
+    WHERE q.name IN (SELECT name FROM {schema}.queues WHERE name = %(name)s
+                     FOR NO KEY UPDATE SKIP LOCKED)
+)
+INSERT INTO {schema}.queues (name, arguments, durable, auto_delete)
+SELECT %(name)s, %(arguments)s, %(durable)s, %(auto_delete)s
+-- the plain read sees a locked row as committed: no insert, so no wait on the unique index
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s)
+ON CONFLICT (name) DO NOTHING;
 
 -- name: queue_exists
 SELECT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(name)s)
@@ -358,9 +431,15 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(lock_key)s)
 ON CONFLICT (id) DO UPDATE SET queues = EXCLUDED.queues, heartbeat_at = now();
 
 -- name: consumer_heartbeat
+-- The lease. It writes the consumer's own row only, and never waits for another session's lock
+-- on a queue row (a pause, an open transaction in psql): a living consumer must never look lost.
+-- (A lock on its own row makes it wait, but then no sweeper declares it gone: job_rescue.)
 WITH touched AS (
-    -- consumed queues are in use: they never expire (x-expires) under a living consumer
-    UPDATE {schema}.queues SET last_used_at = now() WHERE name = ANY(%(queues)s)
+    -- consumed queues are in use: they never expire (x-expires) under a living consumer; a
+    -- locked one is touched at the next beat (it cannot expire while consumed anyway)
+    UPDATE {schema}.queues SET last_used_at = now()
+    WHERE name IN (SELECT name FROM {schema}.queues WHERE name = ANY(%(queues)s)
+                   FOR NO KEY UPDATE SKIP LOCKED)
 )
 UPDATE {schema}.consumers SET heartbeat_at = now(), queues = %(queues)s WHERE id = %(id)s;
 

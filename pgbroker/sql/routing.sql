@@ -1,8 +1,11 @@
 -- Exchanges, bindings and broadcasts (remote control, worker events). Loaded with queries.sql.
 
 -- name: exchange_declare
+-- Inserted only when absent (a plain read first), so another session's lock on the row never
+-- holds up a producer's declaration (as queue_declare).
 INSERT INTO {schema}.exchanges (name, type, durable, auto_delete, arguments)
-VALUES (%(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(arguments)s)
+SELECT %(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(arguments)s
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.exchanges WHERE name = %(name)s)
 ON CONFLICT (name) DO NOTHING;
 
 -- name: exchange_type
@@ -15,11 +18,20 @@ DELETE FROM {schema}.exchanges WHERE name = %(name)s;
 -- name: binding_declare
 -- The queue row must exist (foreign key); declaring it here too makes the order of a client's
 -- declarations irrelevant.
+-- Each row is inserted only when absent (plain reads first), so another session's lock on an
+-- existing queue or binding row never holds up a declaration (as queue_declare). The foreign
+-- key's check takes a KEY SHARE lock on the queue row, which a lock of FOR NO KEY UPDATE
+-- strength (any UPDATE of queues) does not conflict with.
 WITH queue AS (
-    INSERT INTO {schema}.queues (name) VALUES (%(queue)s) ON CONFLICT (name) DO NOTHING
+    INSERT INTO {schema}.queues (name)
+    SELECT %(queue)s WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WHERE name = %(queue)s)
+    ON CONFLICT (name) DO NOTHING
 )
 INSERT INTO {schema}.bindings (exchange, routing_key, queue)
-VALUES (%(exchange)s, %(routing_key)s, %(queue)s)
+SELECT %(exchange)s, %(routing_key)s, %(queue)s
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.bindings
+                  WHERE exchange = %(exchange)s AND routing_key = %(routing_key)s
+                    AND queue = %(queue)s)
 ON CONFLICT DO NOTHING;
 
 -- name: binding_delete
@@ -96,8 +108,11 @@ SELECT bound.queue FROM bound
 WHERE bound.stored AND NOT EXISTS (SELECT 1 FROM inserted WHERE inserted.queue = bound.queue);
 
 -- name: broadcast_get
+-- Not after its time to live, though not yet pruned: a process forgets the broadcasts it
+-- delivered after twice that (a replayed NOTIFY of an older one must find nothing).
 SELECT exchange, routing_key, body, content_type, content_encoding, headers, properties, queues
-FROM {schema}.broadcasts WHERE id = %(id)s;
+FROM {schema}.broadcasts
+WHERE id = %(id)s AND created_at > now() - make_interval(secs => %(ttl)s);
 
 -- name: fanout_queues
 -- The queues bound to a fanout exchange, and whether a message to it is a job there (see
@@ -111,12 +126,15 @@ WHERE b.exchange = %(exchange)s;
 DELETE FROM {schema}.broadcasts
 WHERE id IN (SELECT id FROM {schema}.broadcasts
              WHERE created_at < now() - make_interval(secs => %(ttl)s)
-             ORDER BY created_at LIMIT %(limit)s);
+             ORDER BY created_at LIMIT %(limit)s
+             FOR UPDATE SKIP LOCKED);
 
 -- name: queue_expire
 -- Queues declared with x-expires (reply and event queues, worker mailboxes) that nobody has
 -- consumed or declared for that long are deleted, with their bindings (cascade) and the
--- messages nobody will read. Dead letters stay.
+-- messages nobody will read. Dead letters stay. A queue row another session holds locked is
+-- skipped (SKIP LOCKED); a locked message or binding of one makes the statement give up after
+-- the maintenance lock_timeout (pgbroker._store), until the next sweep.
 WITH idle AS MATERIALIZED (
     SELECT q.name FROM {schema}.queues AS q
     WHERE q.arguments ? 'x-expires'

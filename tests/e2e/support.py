@@ -80,11 +80,11 @@ def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
 
 
 def start_worker(broker_url: str, *args: str, options: Mapping[str, Any] | None = None,
-                 ready: bool = True) -> WorkerProcess:
-    """A ``celery worker`` of ``tests.e2e.app`` (``-c 2`` unless ``args`` says otherwise) with
-    these transport options; waits for its ``ready.`` line unless ``ready`` is False."""
+                 ready: bool = True, app: str = "tests.e2e.app") -> WorkerProcess:
+    """A ``celery worker`` of ``app`` (``-c 2`` unless ``args`` says otherwise) with these
+    transport options; waits for its ``ready.`` line unless ``ready`` is False."""
     env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(dict(options))} if options else None
-    worker = run_worker("tests.e2e.app", broker_url, *args, env=env)
+    worker = run_worker(app, broker_url, *args, env=env)
     return worker.wait_ready(60) if ready else worker
 
 

@@ -25,6 +25,7 @@ from celery.app.task import Context
 from celery.beat import Scheduler
 from celery.result import GroupResult
 
+from pgbroker._text import unescape, unescape_json
 from pgbroker.backend import DatabaseBackend
 from pgbroker.errors import ConfigurationError, SchemaError
 from tests.e2e import results_app
@@ -129,14 +130,34 @@ def test_a_success_is_never_overwritten(backend: DatabaseBackend) -> None:
     assert backend.get_task_meta("t2", cache=False)["status"] == "SUCCESS"
 
 
+SURROGATE = b"caf\xe9".decode("utf-8", "surrogateescape")  # os.listdir's name for b"caf\xe9"
+
+
 def test_values_jsonb_cannot_hold_are_kept_in_the_payload(backend: DatabaseBackend,
                                                           pg: psycopg.Connection) -> None:
     store(backend, "nul", "a\x00b")
     store(backend, "nan", float("inf"))
     assert backend.get_task_meta("nul", cache=False)["result"] == "a\x00b"
     assert backend.get_task_meta("nan", cache=False)["result"] == float("inf")
-    assert pg.execute("SELECT count(*) FROM pgbroker.results WHERE result IS NULL"
-                      ).fetchone()[0] == 2
+    assert pg.execute("SELECT task_id FROM pgbroker.results WHERE result IS NULL"
+                      ).fetchall() == [("nan",)]  # no JSON; the NUL's copy is escaped (below)
+
+
+@pytest.mark.parametrize("text", ["a\x00b", SURROGATE], ids=["nul", "surrogate"])
+def test_text_postgresql_cannot_hold_is_stored_and_read_back_exactly(
+        backend: DatabaseBackend, pg: psycopg.Connection, text: str) -> None:
+    """A result, and the failure of a task whose error has a NUL or a lone surrogate (a file
+    name from os.listdir): stored, read back as it was, queryable escaped (pgbroker._text)."""
+    store(backend, "ok", {text: [text]})
+    backend.store_result("failed", ValueError(text), states.FAILURE,
+                         traceback=f"Traceback {text}", request=Context(id="failed"))
+    assert backend.get_task_meta("ok", cache=False)["result"] == {text: [text]}
+    failed = backend.get_task_meta("failed", cache=False)
+    assert (failed["status"], str(failed["result"])) == ("FAILURE", text)
+    rows = dict(pg.execute("SELECT task_id, result FROM pgbroker.results").fetchall())
+    assert unescape_json(rows["ok"]) == {text: [text]}
+    assert unescape(pg.execute("SELECT traceback FROM pgbroker.results WHERE task_id = "
+                               "'failed'").fetchone()[0]) == f"Traceback {text}"
 
 
 def test_compressed_results(broker_url: str) -> None:
@@ -147,8 +168,10 @@ def test_compressed_results(broker_url: str) -> None:
 
 
 def test_bad_keys_and_ids_are_refused(backend: DatabaseBackend) -> None:
-    with pytest.raises(ValueError, match="NUL byte"):
+    with pytest.raises(ValueError, match="NUL"):
         store(backend, "bad\x00id")
+    with pytest.raises(ValueError, match="over 1024 bytes"):
+        store(backend, "i" * 3000)
     with pytest.raises(ValueError, match="not a task, group or chord key"):
         backend.get("something-else")
     with pytest.raises(ValueError, match="only chord counters"):

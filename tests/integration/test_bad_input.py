@@ -241,7 +241,9 @@ def test_exchange_and_routing_key_names_are_data(broker_url: str, pg: psycopg.Co
         collector.take(1)
         assert collector.nothing_for(0.3)
     assert collector.bodies == [{"to": "name"}]
-    [stored] = jobs(pg)  # the near miss matched no binding: unroutable, like AMQP
+    # the near miss matched no binding: unroutable, kept as a dead letter (AMQP drops it)
+    [stored] = jobs(pg, "state <> 'dead'")
+    assert [r["state"] for r in jobs(pg, "state = 'dead'")] == ["dead"]
     assert (stored["exchange"], stored["routing_key"]) == (name, name)
     assert pg.execute("SELECT name, type FROM pgbroker.exchanges").fetchall() == [(name, kind)]
     assert pg.execute("SELECT routing_key FROM pgbroker.bindings").fetchall() == [(name,)]

@@ -815,13 +815,23 @@ def test_autocommit_batches_go_one_by_one(app: Celery, db_url: str,
 
 def test_a_failed_batch_fails_the_pipelined_write(raw: Caller, app: Celery,
                                                   pg: psycopg.Connection) -> None:
-    """A statement PostgreSQL refuses (a NUL in a header, which jsonb cannot hold) raises what
-    the per-job path raises, though the batches after it were already sent."""
+    """A statement PostgreSQL refuses (here a trigger refuses one job) raises what the per-job
+    path raises, though the batches after it were already sent."""
+    pg.execute("""
+        CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.headers->>'argsrepr' LIKE '%refuse-me%' THEN
+                RAISE EXCEPTION 'refused';
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse BEFORE INSERT ON pgbroker.jobs FOR EACH ROW
+            EXECUTE FUNCTION public.refuse()""")
     with pytest.raises(psycopg.Error) as expected:
-        pgbroker.enqueue(raw.db, "t.add", ("a\x00", "b"), app=app)
+        pgbroker.enqueue(raw.db, "t.add", ("refuse-me", "b"), app=app)
     raw.rollback()
     items = [("t.add", (i, i)) for i in range(2500)]
-    items[1200] = ("t.add", ("a\x00", "b"))
+    items[1200] = ("t.add", ("refuse-me", "b"))
     with pytest.raises(psycopg.Error) as got:
         pgbroker.enqueue_many(raw.db, items, app=app)
     assert type(got.value) is type(expected.value)

@@ -34,6 +34,7 @@ import pytest
 from celery import Celery
 from psycopg import sql
 
+import pgbroker
 from pgbroker.migrate import MIGRATIONS, migrate
 from tests.conftest import _create_database, _drop_database
 from tests.e2e import app as e2e
@@ -52,7 +53,7 @@ SECRET = "Sup3r-s3cret-" + uuid.uuid4().hex[:8]
 ROLES_SQL = REPO_ROOT / "pgbroker" / "sql" / "roles.sql.example"
 _names = itertools.count(1)
 #: The variables of roles.sql.example.
-NAMES = ("database", "schema", "migration_role", "app_role")
+NAMES = ("database", "schema", "migration_role", "app_role", "producer_role", "worker_role")
 
 #: A wake-up: "<seconds until due> <queue>"; a broadcast: "b <broadcast id> <exchange>".
 WAKE_UP = re.compile(r"^\d+(\.\d+)? \S.*$")
@@ -190,7 +191,9 @@ def roles(database_url: str) -> Iterator[dict[str, str]]:
         pytest.skip("psql is needed to run pgbroker/sql/roles.sql.example")
     n = f"{os.getpid()}_{next(_names)}"
     names = {"database": f"pgbroker_test_roles_{n}", "schema": "pgbroker",
-             "migration_role": f"pgbroker_test_owner_{n}", "app_role": f"pgbroker_test_app_{n}"}
+             "migration_role": f"pgbroker_test_owner_{n}", "app_role": f"pgbroker_test_app_{n}",
+             "producer_role": f"pgbroker_test_producer_{n}",
+             "worker_role": f"pgbroker_test_worker_{n}"}
     _create_database(database_url, names["database"])
     url = urlunsplit(urlsplit(database_url)._replace(path="/" + names["database"]))
     try:
@@ -199,9 +202,14 @@ def roles(database_url: str) -> Iterator[dict[str, str]]:
     finally:
         _drop_database(database_url, names["database"])
         with psycopg.connect(database_url, autocommit=True) as conn:
-            for role in (names["app_role"], names["migration_role"]):
-                conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
-                conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+            for role in (names["producer_role"], names["worker_role"], names["app_role"],
+                         names["migration_role"]):
+                exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s",
+                                      (role,)).fetchone()
+                if exists:
+                    conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(
+                        sql.Identifier(role)))
+                    conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def run_roles_sql(psql: str, url: str, names: dict[str, str], after: bool = False) -> None:
@@ -279,6 +287,65 @@ def test_least_privilege_roles_run_a_worker_and_a_producer_without_ddl(
         assert app.execute("SELECT count(*) FROM pgbroker.migrations").fetchone()[0] >= 4
     # up to date: nothing to apply, and no DDL is even tried, so the application role may run it
     assert migrate(app_url) == []
+
+
+def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
+        roles: dict[str, str]) -> None:
+    """The split roles of roles.sql.example: a producer (web processes) that publishes with
+    .delay() and pgbroker.enqueue (an idempotency key's duplicate included), and a worker role
+    that runs the jobs; neither may act as an operator."""
+    owner_url = as_role(roles["url"], roles["migration_role"])
+    producer_url = as_role(roles["url"], roles["producer_role"])
+    worker_url = as_role(roles["url"], roles["worker_role"])
+    migrate(owner_url)
+    run_roles_sql(roles["psql"], roles["url"], {k: roles[k] for k in NAMES}, after=True)
+    with psycopg.connect(roles["url"], autocommit=True) as admin:
+        admin.execute(e2e.RUNS_DDL)
+        admin.execute(sql.SQL("GRANT SELECT, INSERT ON public.runs TO {0};"
+                              " GRANT USAGE ON SEQUENCE public.runs_n_seq TO {0}").format(
+            sql.Identifier(roles["worker_role"])))
+    options = {"auto_migrate": False}
+    worker = run_worker("tests.e2e.app", "pgbroker+" + worker_url, env={
+        "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
+    point_producer(e2e.app, "pgbroker+" + producer_url, options)
+    try:
+        sent = [(e2e.touch.delay("by-producer").id, "completed"),
+                (e2e.boom.delay("by-producer-fails").id, "dead")]
+        with psycopg.connect(producer_url) as conn:  # in the producer's own transaction
+            first = pgbroker.enqueue(conn, e2e.touch, ("enqueued",), idempotency_key="once")
+            again = pgbroker.enqueue(conn, e2e.touch, ("enqueued",), idempotency_key="once")
+            conn.commit()
+        assert first == again
+        with psycopg.connect(roles["url"], autocommit=True) as admin:
+            [enqueued] = admin.execute("SELECT task_id FROM pgbroker.jobs WHERE id = %s",
+                                       (first,)).fetchone()
+            for task_id, state in [*sent, (enqueued, "completed")]:
+                wait_state(admin, task_id, state)
+            users = {r[0] for r in admin.execute(
+                "SELECT usename FROM pg_stat_activity WHERE application_name LIKE 'pgbroker%%'"
+                " AND application_name <> 'pgbroker migrate' AND datname = current_database()")}
+        assert users <= {roles["worker_role"], roles["producer_role"]}, users
+    finally:
+        _drop_pools(e2e.app)
+        worker.stop()
+
+    audit = "INSERT INTO pgbroker.audit (actor, action) VALUES ('me', 'dead.retry')"
+    refused = {
+        producer_url: ("SELECT body FROM pgbroker.jobs", "SELECT headers FROM pgbroker.jobs",
+                       "SELECT last_error FROM pgbroker.jobs",
+                       "UPDATE pgbroker.jobs SET state = 'completed'",
+                       "DELETE FROM pgbroker.jobs", "UPDATE pgbroker.queues SET paused = true",
+                       "SELECT body FROM pgbroker.broadcasts", "SELECT * FROM pgbroker.consumers",
+                       audit),
+        worker_url: (audit, "SELECT * FROM pgbroker.audit", "DELETE FROM pgbroker.migrations",
+                     "SELECT * FROM pgbroker.admin_sessions",
+                     "CREATE TABLE pgbroker.intruder (id int)"),
+    }
+    for url, statements in refused.items():
+        with psycopg.connect(url, autocommit=True) as conn:
+            for statement in statements:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(statement)
 
 
 def test_the_app_role_connects_with_auto_migrate_on_to_an_up_to_date_schema(

@@ -189,8 +189,13 @@ def test_a_task_that_requires_an_idempotency_key(broker_url: str, pg: psycopg.Co
         assert jobs(pg) == []
         publish(conn, 2, "keys", headers={"task": "t.charge", "id": "b", "idempotency_key": "k"})
         publish(conn, 3, "keys", headers={"task": "t.other", "id": "c"})
-        # Celery's retry of a keyed task carries retries > 0: it continues the same job
-        publish(conn, 4, "keys", headers={"task": "t.charge", "id": "b", "retries": 1})
+        # Celery's retry of a keyed task carries its custom headers, the key too, and
+        # retries > 0: it continues the same job (the key is not its unique key) ...
+        publish(conn, 4, "keys", headers={"task": "t.charge", "id": "b", "retries": 1,
+                                          "idempotency_key": "k"})
+        # ... and a "retry" without the key is no retry of Celery's: refused like the rest
+        with pytest.raises(IdempotencyKeyRequired):
+            publish(conn, 5, "keys", headers={"task": "t.charge", "id": "d", "retries": 1})
     assert [r["task_id"] for r in jobs(pg)] == ["b", "c", "b"]
 
 
