@@ -19,8 +19,6 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
-from importlib import resources
 from time import monotonic
 from typing import Any
 
@@ -30,13 +28,13 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from . import _db
+from ._sql import queries
 from ._text import escape, jsonb_dumps, register_jsonb_loaders
 from .migrate import check as check_schema
 from .migrate import migrate as run_migrations
 from .settings import Settings
 
-__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "message_digest", "queries",
-           "BROADCAST_TTL"]
+__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "message_digest", "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -68,29 +66,6 @@ _PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcas
 
 #: Parameters of job_insert sent in binary format (bytea).
 _BINARY_PARAMS = frozenset({"body", "message_digest"})
-
-_BLOCK_RE = re.compile(r"^-- name: (\w+)\s*$", re.M)
-
-
-@cache
-def queries(schema: str) -> dict[str, str]:
-    """The named queries of every ``sql/*.sql`` file, for ``schema`` (validated by Settings).
-
-    Each feature keeps its statements in a file of its own (``queries.sql`` is the core);
-    a name defined twice is an error.
-    """
-    found: dict[str, str] = {}
-    folder = resources.files("pgbroker").joinpath("sql")
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".sql"):
-            continue
-        parts = _BLOCK_RE.split(entry.read_text("utf-8"))[1:]
-        for name, body in zip(parts[::2], parts[1::2]):
-            if name in found:
-                raise RuntimeError(f"query {name!r} is defined twice (in {entry.name})")
-            found[name] = body.replace("{schema}", f'"{schema}"').strip()
-    return found
-
 
 @dataclass(frozen=True, slots=True)
 class NewJob:

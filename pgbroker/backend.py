@@ -85,7 +85,8 @@ from kombu.utils.json import dumps as json_dumps
 
 from . import _db
 from ._messages import MAX_ID_BYTES
-from ._store import Store, queries
+from ._sql import queries
+from ._store import Store
 from ._text import ESCAPED, escape, escape_json, storable
 from .errors import ConfigurationError, DatabaseUnavailable
 from .settings import Settings

@@ -81,7 +81,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import _db
-from ._store import queries
+from ._sql import queries
 from .enqueue import enqueue
 from .errors import ConfigurationError, DatabaseUnavailable
 from .settings import Settings

@@ -55,8 +55,8 @@ from psycopg.rows import tuple_row
 
 from . import _db
 from ._messages import MAX_ID_BYTES, message_to_job
-from ._store import (NewJob, insert_many_params, log_duplicates, lookup_params, message_digest,
-                     queries)
+from ._sql import queries
+from ._store import NewJob, insert_many_params, log_duplicates, lookup_params, message_digest
 from ._text import ESCAPED, storable
 from .errors import ConfigurationError, MessageError, SchemaError
 from .settings import Settings

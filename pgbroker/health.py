@@ -31,7 +31,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import _db
-from ._store import queries
+from ._sql import queries
 from .beat import grid_from_spec
 from .errors import ConfigurationError
 from .sweeper import lock_class

@@ -41,7 +41,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from . import _db
-from ._store import queries
+from ._sql import queries
 from .settings import Settings
 
 __all__ = ["MetricsReader", "QueueStats", "Snapshot", "TaskStats", "is_internal_queue",

@@ -30,7 +30,7 @@ from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from . import _db
-from ._store import queries
+from ._sql import queries
 from .errors import OperationError
 from .settings import Settings
 

@@ -40,7 +40,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from .. import _db
-from .._store import queries
+from .._sql import queries
 from ..beat import Schedules
 from ..errors import DatabaseUnavailable
 from ..metrics import MetricsReader, Snapshot, is_internal_queue, prometheus_registry

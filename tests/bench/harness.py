@@ -417,7 +417,7 @@ def pgbench_scripts(db_url: str, sample: dict[str, Any], batch: int = 10) -> tup
     claim of the same pgbench client returned (\\gset), exactly as the worker folds its acks into
     its next claim; the claimed rows are aggregated server-side instead of being sent back.
     """
-    from pgbroker._store import queries
+    from pgbroker._sql import queries
 
     q = queries(PGBENCH_SCHEMA)
     with psycopg.connect(db_url) as conn:

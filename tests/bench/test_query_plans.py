@@ -16,7 +16,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pgbroker._store import _numbered, queries
+from pgbroker._sql import queries
+from pgbroker._store import _numbered
 from tests.bench.harness import fill
 
 COMPLETED = 1_000_000

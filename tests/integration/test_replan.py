@@ -18,7 +18,8 @@ import psycopg
 import pytest
 
 import pgbroker._store
-from pgbroker._store import _numbered, queries
+from pgbroker._sql import queries
+from pgbroker._store import _numbered
 from tests.integration.test_event_loop import LoopConsumer
 from tests.integration.transport_support import NO_POLL, connect, publish, store_for
 

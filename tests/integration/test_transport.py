@@ -25,7 +25,8 @@ import pytest
 from psycopg import ClientCursor
 
 import pgbroker._startup
-from pgbroker._store import Store, queries
+from pgbroker._sql import queries
+from pgbroker._store import Store
 from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
 from pgbroker.sweeper import Sweeper, lock_class
 from pgbroker.transport import MAX_NAME_LENGTH, Transport
