@@ -36,13 +36,13 @@ A task reads the occurrence it was fired for (a weekly report covers the week be
 ``self.request.pgbroker_beat_entry``: Celery copies message headers onto ``task.request``.
 
 The table is the truth: beat reads it at every tick (at least every ``max_interval``, 5 s by
-default), so entries added, changed, disabled or enabled at run time (:class:`Schedules`,
-``pgbroker schedule ...``) are picked up without a restart. The config is applied to it when a
-beat starts: new entries are added, changed ones keep their history (runs, last occurrence,
-enabled) with the next occurrence recomputed from the last one on the new grid, and entries no
-longer in the config are *kept but never fired* (``removed_at``) until they come back or are
-deleted with ``pgbroker schedule delete``. Beats starting with different configs: the last one
-to start wins. ``<schema>.beat_status`` gives, per entry, the age of its last completed run.
+default), so entries added, changed, disabled or enabled at run time
+(:class:`~pgbroker.schedules.Schedules`, ``pgbroker schedule ...``) are picked up without a
+restart. The config is applied to it when a beat starts: new entries are added, changed ones
+keep their history (runs, last occurrence, enabled) with the next occurrence recomputed from the
+last one on the new grid, and entries no longer in the config are *kept but never fired*
+(``removed_at``) until they come back or are deleted with ``pgbroker schedule delete``. Beats
+starting with different configs: the last one to start wins. ``<schema>.beat_status`` gives, per entry, the age of its last completed run.
 
 Limits, stated honestly:
 
@@ -55,6 +55,11 @@ Limits, stated honestly:
   beat ticks when the earliest occurrence is due, and at least every ``max_interval``.
 * The heartbeat needs the jobs' rows: with ``retention`` 0 a job deleted at its ack is counted
   as completed when beat notices it is gone (within ``max_interval``).
+
+This module is the :class:`Scheduler` only: when occurrences fall and what the policies decide
+is :mod:`pgbroker._schedule` (pure), an entry's validation and row and the operator's
+:class:`~pgbroker.schedules.Schedules` are :mod:`pgbroker.schedules`, and ``pgbroker schedule``
+is :mod:`pgbroker.cli.schedule`.
 """
 
 
@@ -377,7 +382,8 @@ class Scheduler(celery_beat.Scheduler):
                         iso_utc(fired.occurrence))
         elif p.outcome == "missed":
             logger.warning("beat: entry %r missed its occurrence(s) from %s (misfire skip); next "
-                           "at %s", name, iso_utc(row["next_occurrence"]), iso_utc(p.next_occurrence))
+                           "at %s", name, iso_utc(row["next_occurrence"]),
+                           iso_utc(p.next_occurrence))
         elif p.outcome == "overlap":
             logger.info("beat: entry %r skips an occurrence: its previous job has not finished "
                         "(overlap skip); next at %s", name, iso_utc(p.next_occurrence))

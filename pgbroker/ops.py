@@ -2,7 +2,8 @@
 
 One implementation, two front-ends: :class:`Operations` runs the named queries of
 ``sql/ops.sql`` over a psycopg connection the caller owns (the CLI opens one, the admin page
-borrows one from its pool per request). Every action writes an audit row (who, what, when, and
+borrows one from its pool per request); beat's schedule has its sibling,
+:class:`pgbroker.schedules.Schedules`. Every action writes an audit row (who, what, when, and
 what the action replaced or destroyed) in the same statement as the change itself.
 
 Errors an operator can make (a malformed or unknown job id, an unknown queue, a job in the wrong

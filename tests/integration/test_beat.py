@@ -450,7 +450,7 @@ Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def cli(db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Run:
+def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
     """``cli("schedule", "list")`` -> (exit status, stdout, stderr) through pgbroker.cli.main."""
 
     def run(*args: str) -> tuple[int, str, str]:
