@@ -42,7 +42,8 @@ restart. The config is applied to it when a beat starts: new entries are added, 
 keep their history (runs, last occurrence, enabled) with the next occurrence recomputed from the
 last one on the new grid, and entries no longer in the config are *kept but never fired*
 (``removed_at``) until they come back or are deleted with ``pgbroker schedule delete``. Beats
-starting with different configs: the last one to start wins. ``<schema>.beat_status`` gives, per entry, the age of its last completed run.
+starting with different configs: the last one to start wins. ``<schema>.beat_status`` gives,
+per entry, the age of its last completed run.
 
 Limits, stated honestly:
 
