@@ -170,8 +170,8 @@ class Schedules:
         occurrences passed meanwhile follows its misfire policy (``latest``: fires once)."""
         with self._action() as row_of:
             row_of(name)
-            changed = bool(self._q("rowcount", "beat_entry_set_enabled",
-                                   {"name": name, "enabled": enabled}))
+            changed = bool(self.q.rowcount(self.conn, "beat_entry_set_enabled",
+                                           {"name": name, "enabled": enabled}, what=_WHAT))
             self._audit("schedule.enable" if enabled else "schedule.disable", name,
                         {"changed": changed})
         if changed:
@@ -187,7 +187,7 @@ class Schedules:
         running, nothing fires until one starts."""
         with self._action() as row_of:
             row_of(name)
-            row = self._q("one", "beat_entry_run_now", {"name": name})
+            row = self.q.one(self.conn, "beat_entry_run_now", {"name": name}, what=_WHAT)
             if row is None:
                 raise OperationError(f"schedule entry {name!r} is disabled or no longer in the "
                                      "config: enable it first")
@@ -213,7 +213,7 @@ class Schedules:
             if row is not None and not replace:
                 raise OperationError(f"schedule entry {name!r} exists: add --replace to change "
                                      "it (its history is kept)")
-            now = self._q("one", "beat_clock")[0]
+            now = self.q.one(self.conn, "beat_clock", what=_WHAT)[0]
             outcome = save_entry(self.conn, self.q, cfg, row, "runtime", now, enabled,
                                  what=_WHAT)
             if outcome != "unchanged":
@@ -232,7 +232,8 @@ class Schedules:
                 raise OperationError(f"schedule entry {name!r} comes from the beat_schedule "
                                      "config: remove it there (it is then kept, never fired, "
                                      "until deleted here), or disable it")
-            gone = self._q("one", "beat_entry_delete", {"name": name}, row_factory=dict_row)
+            gone = self.q.one(self.conn, "beat_entry_delete", {"name": name},
+                              row_factory=dict_row, what=_WHAT)
             self._audit("schedule.delete", name, {k: v for k, v in gone.items() if k != "name"})
         logger.info("pgbroker: %s deleted schedule entry %r", self.actor, name)
 
@@ -240,9 +241,10 @@ class Schedules:
     def _action(self) -> Iterator[Callable[..., Any]]:
         """One transaction: lock the entry, change it, write the audit row."""
         def row_of(name: str, missing_ok: bool = False) -> dict[str, Any] | None:
-            row = self._q("one", "beat_entry_get", {"name": name}, row_factory=dict_row)
+            row = self.q.one(self.conn, "beat_entry_get", {"name": name}, row_factory=dict_row,
+                             what=_WHAT)
             if row is None and not missing_ok:
-                known = [r[0] for r in self._q("all", "beat_names")]
+                known = [r[0] for r in self.q.all(self.conn, "beat_names", what=_WHAT)]
                 hint = f"known: {', '.join(known[:20])}" if known else "there is none"
                 raise OperationError(f"no schedule entry {name!r} ({hint})")
             return row
@@ -250,12 +252,8 @@ class Schedules:
         with _db.translate_errors(_WHAT), self.conn.transaction():
             yield row_of
 
-    def _q(self, how: str, name: str, params: Any = None, **kw: Any) -> Any:
-        """One statement of an action (``how``: a :class:`Queries` method)."""
-        return getattr(self.q, how)(self.conn, name, params, what=_WHAT, **kw)
-
     def _audit(self, action: str, name: str, detail: dict[str, Any]) -> None:
-        self._q("execute", "audit_insert", {
+        self.q.execute(self.conn, "audit_insert", {
             "actor": self.actor, "action": action, "target": f"schedule:{name}",
             "detail": Jsonb({"via": self.via, **detail},
-                            dumps=lambda obj: json.dumps(obj, default=str))})
+                            dumps=lambda obj: json.dumps(obj, default=str))}, what=_WHAT)
