@@ -107,6 +107,7 @@ def _arguments(body: Any, content_type: str | None,
 def install(**_: Any) -> None:
     """Register :func:`scheduled` in Celery's control Panel in place of Celery's (idempotent)."""
     global _celery_scheduled
+    # here, not at the top: a producer need not import the worker's modules (see connect)
     from celery.worker import control
 
     current = control.Panel.data.get("scheduled")

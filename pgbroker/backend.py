@@ -85,7 +85,7 @@ from kombu.utils.json import dumps as json_dumps
 
 from . import _db
 from ._messages import MAX_ID_BYTES
-from ._sql import queries
+from ._sql import Queries
 from ._store import Store
 from ._text import ESCAPED, escape, escape_json, storable
 from .errors import ConfigurationError, DatabaseUnavailable
@@ -143,7 +143,7 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         self.options = Settings.from_options(options)
         self.channel = f"{self.options.schema}.results"
         self.conninfo = _db.libpq_url(url)
-        self.q = queries(self.options.schema)
+        self.q = Queries(self.options.schema)
         self.connection_errors = _db.CONNECTION_ERRORS
         join_timeout = conf.result_chord_join_timeout or 5.0
         self.chord_reclaim_after = timedelta(seconds=max(10.0, 2 * float(join_timeout)))
@@ -178,8 +178,8 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         while True:
             conn = self._store.conn
             try:
-                with _db.translate_errors(f"pgbroker result backend ({name})"):
-                    return conn.cursor(binary=True).execute(self.q[name], params)
+                return self.q.execute(conn, name, params, binary=True,
+                                      what=f"pgbroker result backend ({name})")
             except DatabaseUnavailable:
                 if not (conn.broken or conn.closed):
                     raise

@@ -28,11 +28,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
-from . import _db
-from ._sql import queries
-from .beat import grid_from_spec
+from ._schedule import grid_from_spec
+from ._sql import Queries
 from .errors import ConfigurationError
 from .sweeper import lock_class
 
@@ -67,9 +65,7 @@ def _json_value(value: Any) -> Any:
 
 def _rows(conn: psycopg.Connection[Any], schema: str, name: str,
           params: dict[str, Any]) -> list[dict[str, Any]]:
-    with _db.translate_errors(f"pgbroker {name}"):
-        cur = conn.cursor(row_factory=dict_row)
-        return cur.execute(queries(schema)[name], params).fetchall()
+    return Queries(schema).dicts(conn, name, params)
 
 
 def _consumers(conn: psycopg.Connection[Any], schema: str, *, lease_timeout: float,

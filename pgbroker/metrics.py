@@ -38,10 +38,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
-
 from . import _db
-from ._sql import queries
+from ._sql import Queries
 from .settings import Settings
 
 __all__ = ["MetricsReader", "QueueStats", "Snapshot", "TaskStats", "is_internal_queue",
@@ -199,20 +197,19 @@ class MetricsReader:
         self.window = defaults.retention if window is None else float(window)
         self.lease_timeout = defaults.lease_timeout if lease_timeout is None else lease_timeout
         self.lag = lag
-        self.q = queries(schema)
+        self.q = Queries(schema)
         self._finished = _FinishedWindow(self.window, resync)
         self._beat_warned = False
 
     def _run(self, conn: psycopg.Connection[Any], name: str,
              params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        with _db.translate_errors(f"pgbroker {name}"):
-            return conn.cursor(row_factory=tuple_row).execute(self.q[name], params).fetchall()
+        return self.q.all(conn, name, params)
 
     def snapshot(self, conn: psycopg.Connection[Any]) -> Snapshot:
         """Read the metrics now over ``conn`` (autocommit), in one read-only transaction."""
         with _db.translate_errors("pgbroker metrics"), conn.transaction():
-            conn.execute(self.q["metrics_transaction"])
-            conn.execute(self.q["metrics_plan"])
+            self.q.execute(conn, "metrics_transaction", what="pgbroker metrics")
+            self.q.execute(conn, "metrics_plan", what="pgbroker metrics")
             return self._read(conn)
 
     def _read(self, conn: psycopg.Connection[Any]) -> Snapshot:
@@ -286,7 +283,7 @@ def prometheus_registry(snapshot: Callable[[], Snapshot]) -> Any:
     A failed read is exposed as ``pgbroker_up 0`` (and logged), not as an HTTP error, so an
     alert can tell "the broker's database is unreachable" from "the exporter is down".
     """
-    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.core import CollectorRegistry  # optional: the admin extra
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(snapshot))
@@ -301,7 +298,7 @@ class _Collector:
         return []  # nothing is read at registration
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # optional
 
         try:
             snap = self._snapshot()

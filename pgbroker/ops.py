@@ -2,7 +2,8 @@
 
 One implementation, two front-ends: :class:`Operations` runs the named queries of
 ``sql/ops.sql`` over a psycopg connection the caller owns (the CLI opens one, the admin page
-borrows one from its pool per request). Every action writes an audit row (who, what, when, and
+borrows one from its pool per request); beat's schedule has its sibling,
+:class:`pgbroker.schedules.Schedules`. Every action writes an audit row (who, what, when, and
 what the action replaced or destroyed) in the same statement as the change itself.
 
 Errors an operator can make (a malformed or unknown job id, an unknown queue, a job in the wrong
@@ -26,11 +27,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from . import _db
-from ._sql import queries
+from ._sql import Queries
 from .errors import OperationError
 from .settings import Settings
 
@@ -209,20 +208,17 @@ class Operations:
                  actor: str, via: str):
         self.conn = conn
         self.settings = Settings(schema=schema)  # validates the name
-        self.q = queries(schema)
+        self.q = Queries(schema)
         self.actor = actor
         self.via = via
 
     # -- plumbing --------------------------------------------------------------------------------
 
     def _rows(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        with _db.translate_errors(f"pgbroker {name}"):
-            cur = self.conn.cursor(row_factory=dict_row)
-            return cur.execute(self.q[name], params).fetchall()
+        return self.q.dicts(self.conn, name, params)
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...]:
-        with _db.translate_errors(f"pgbroker {name}"):
-            row = self.conn.cursor(row_factory=tuple_row).execute(self.q[name], params).fetchone()
+        row = self.q.one(self.conn, name, params)
         assert row is not None, name
         return row
 

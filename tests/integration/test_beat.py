@@ -8,7 +8,6 @@ processes are in ``tests/e2e/test_beat_processes.py``.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import threading
@@ -24,17 +23,9 @@ from celery.schedules import crontab, solar
 from psycopg.rows import dict_row
 
 from pgbroker import cli as cli_module
-from pgbroker.beat import (
-    Cron,
-    Every,
-    Fired,
-    Scheduler,
-    Schedules,
-    grid_of,
-    occurrence_key,
-    plan,
-    register_cli,
-)
+from pgbroker._schedule import occurrence_key
+from pgbroker.beat import Fired, Scheduler
+from pgbroker.schedules import Schedules
 from pgbroker.errors import ConfigurationError
 
 UTC = timezone.utc
@@ -112,55 +103,6 @@ def at(*args: int) -> datetime:
 
 def occurrences(fired: list[Fired], name: str | None = None) -> list[datetime]:
     return [f.occurrence for f in fired if name is None or f.entry == name]
-
-
-# -- the grid and the policies (pure) ------------------------------------------------------------
-
-def test_intervals_sit_on_a_grid_counted_from_the_epoch() -> None:
-    grid = Every(timedelta(seconds=60))
-    assert grid.next_after(at(2025, 1, 1, 12, 0, 0)) == at(2025, 1, 1, 12, 1, 0)
-    assert grid.next_after(at(2025, 1, 1, 12, 0, 59)) == at(2025, 1, 1, 12, 1, 0)
-    assert grid.latest_at_or_before(at(2025, 1, 1, 12, 5, 10), at(2025, 1, 1, 12, 1)) \
-        == at(2025, 1, 1, 12, 5)
-    assert Every(timedelta(hours=1)).next_after(T0) == at(2025, 1, 6, 13)
-    with pytest.raises(ConfigurationError, match="at least 1 ms"):
-        Every(timedelta(0))
-
-
-@pytest.mark.parametrize("misfire, overlap, unfinished, now, expected", [
-    # on time, and late within its own period: the due occurrence fires
-    ("latest", "skip", False, at(2025, 1, 1, 12, 1, 0), ("fired", 1, 2)),
-    ("skip", "skip", False, at(2025, 1, 1, 12, 1, 59), ("fired", 1, 2)),
-    # down 5 minutes: latest fires once for the latest occurrence, skip waits for the next
-    ("latest", "allow", False, at(2025, 1, 1, 12, 6, 10), ("fired", 6, 7)),
-    ("skip", "allow", False, at(2025, 1, 1, 12, 6, 10), ("missed", None, 7)),
-    # the previous job is unfinished
-    ("latest", "skip", True, at(2025, 1, 1, 12, 1, 5), ("overlap", None, 2)),
-    ("latest", "queue", True, at(2025, 1, 1, 12, 1, 5), ("held", None, 1)),
-    ("latest", "allow", True, at(2025, 1, 1, 12, 1, 5), ("fired", 1, 2)),
-])
-def test_plan(misfire: str, overlap: str, unfinished: bool, now: datetime,
-              expected: tuple[str, int | None, int]) -> None:
-    p = plan(Every(MIN), at(2025, 1, 1, 12, 1), now, misfire, overlap, unfinished)
-    outcome, fire_minute, next_minute = expected
-    assert p.outcome == outcome
-    assert p.fire == (None if fire_minute is None else at(2025, 1, 1, 12, fire_minute))
-    assert p.next_occurrence == at(2025, 1, 1, 12, next_minute)
-
-
-def test_crontab_grid_follows_wall_clock_across_daylight_saving() -> None:
-    grid = Cron({"minute": "30", "hour": "2"}, "Europe/Paris")
-    # 2025-03-30: 02:30 does not exist in Paris (clocks go 02:00 -> 03:00): that day it fires
-    # an hour later by the wall clock, at the same UTC time (as cron does), and never twice
-    found, t = [], at(2025, 3, 28, 0, 0)
-    for _ in range(4):
-        t = grid.next_after(t)
-        found.append(t)
-    assert found[0] == at(2025, 3, 28, 1, 30)  # 02:30 CET
-    assert [o.astimezone(PARIS).strftime("%d %H:%M") for o in found] == [
-        "28 02:30", "29 02:30", "30 03:30", "31 02:30"]
-    # and the latest at or before a time, searched backwards
-    assert grid.latest_at_or_before(at(2025, 4, 10, 12), found[0]) == at(2025, 4, 10, 0, 30)
 
 
 # -- firing: exactly once, on the grid, with what a task needs -----------------------------------
@@ -338,21 +280,6 @@ def test_crontab_entries_fire_at_their_wall_clock_minutes(start: Start, app: Cel
     assert quarters[0] == at(2025, 3, 29, 6, 15) and quarters[-1] == at(2025, 3, 31, 10, 0)
 
 
-def test_solar_entries_fire_at_the_event() -> None:
-    ephem = pytest.importorskip("ephem")
-    grid = grid_of(solar("sunrise", 48.85, 2.35))
-    t, found = at(2025, 6, 1, 0, 0), []
-    for _ in range(3):
-        t = grid.next_after(t)
-        found.append(t)
-    paris = ephem.Observer()
-    paris.lat, paris.lon, paris.horizon, paris.pressure = "48.85", "2.35", "-0:34", 0
-    for day, occurrence in zip((1, 2, 3), found):
-        expected = paris.next_rising(ephem.Sun(), start=datetime(2025, 6, day)).datetime()
-        assert abs(occurrence.replace(tzinfo=None) - expected) < timedelta(seconds=1)
-        assert occurrence.astimezone(PARIS).strftime("%H") == "05"  # a Parisian June sunrise
-
-
 def test_a_solar_entry_is_stored_and_fired(start: Start, pg: psycopg.Connection) -> None:
     pytest.importorskip("ephem")
     beat = start({"dawn": {"task": "app.dawn", "schedule": solar("sunrise", 48.85, 2.35)}})
@@ -523,19 +450,8 @@ Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def cli(db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Run:
-    """``cli("schedule", "list")`` -> (exit status, stdout, stderr) through pgbroker.cli.main,
-    with the ``schedule`` command added the way cli.py adds it."""
-    build = cli_module.build_parser
-
-    def build_with_schedule() -> argparse.ArgumentParser:
-        parser = build()
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        if "schedule" not in sub.choices:
-            register_cli(sub, parents=[cli_module._common(suppress=True)])
-        return parser
-
-    monkeypatch.setattr(cli_module, "build_parser", build_with_schedule)
+def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
+    """``cli("schedule", "list")`` -> (exit status, stdout, stderr) through pgbroker.cli.main."""
 
     def run(*args: str) -> tuple[int, str, str]:
         capsys.readouterr()
