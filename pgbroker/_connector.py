@@ -72,8 +72,8 @@ def connector_for(db: Any) -> Connector:
     if isinstance(db, psycopg.Connection):
         return PsycopgConnector(db)
     module = type(db).__module__
-    # Django and SQLAlchemy are optional dependencies: their connectors (which import them) are
-    # imported only for a db of theirs.
+    # Imported only for a db of theirs: Django is an optional dependency, and a psycopg-only
+    # caller need not pay for importing SQLAlchemy (whose connector imports it at the top).
     if module.startswith("django."):
         from .contrib.django_connector import DjangoConnector
 
