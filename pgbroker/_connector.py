@@ -12,9 +12,11 @@ of the caller's library, if it has any. There is one connector per library, side
   ``scoped_session`` or ``Connection`` on the psycopg 3 driver; commit and rollback events.
 * :class:`pgbroker.contrib.django_connector.DjangoConnector`: a Django database connection.
 
-:func:`connector_for` picks one by the type of ``db``. Another kind of connection (an async one:
-psycopg's ``AsyncConnection``, SQLAlchemy's ``AsyncSession``) is one more connector, and one
-more branch there.
+:func:`connector_for` picks one by the type of ``db``. Another kind of connection is one more
+connector and one more line there: an async one (psycopg's ``AsyncConnection``, SQLAlchemy's
+``AsyncSession``) gives an ``async def connection()`` returning a psycopg ``AsyncConnection``,
+for an async writer beside :mod:`pgbroker._write` (the messages, :mod:`pgbroker._build`, and
+their parameters, :mod:`pgbroker._jobs`, do no I/O and serve both).
 """
 
 from __future__ import annotations
