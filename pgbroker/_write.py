@@ -123,6 +123,7 @@ def _send_many(conn: psycopg.Connection[Any], settings: Settings, jobs: list[New
     """Execute ``job_insert_many`` for ``jobs`` and, if some have idempotency keys (then in a
     pipeline), ``job_enqueued_ids`` for those."""
     q = Queries(settings.schema)
+    # a cursor of its own rather than Queries.execute's: the array dumpers go on its adapters
     cur = conn.cursor(row_factory=tuple_row)
     digests: dict[uuid.UUID, bytes] = {}
     if isinstance(cur, ClientCursorMixin):
