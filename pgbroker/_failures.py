@@ -30,6 +30,7 @@ from typing import Any
 
 from celery import signals
 
+from ._broker import find
 from ._messages import parse_delivery_tag
 from ._store import Store
 from .errors import DatabaseUnavailable
@@ -45,14 +46,12 @@ _lock = threading.Lock()
 
 def _store_for(app: Any) -> Store | None:
     """This process's store for ``app``'s broker (None when the broker is not pgbroker)."""
-    from .transport import Transport
-
     key = (os.getpid(), id(app))
     with _lock:
         if key not in _stores:
-            transport = app.connection_for_write().transport  # no I/O: just the options
-            _stores[key] = None if not isinstance(transport, Transport) else Store(
-                transport.conninfo, dataclasses.replace(transport.settings, auto_migrate=False),
+            broker = find(app)  # no I/O: just the options
+            _stores[key] = None if broker is None else Store(
+                broker.conninfo, dataclasses.replace(broker.settings, auto_migrate=False),
                 application_name="pgbroker failure hook")
         return _stores[key]
 

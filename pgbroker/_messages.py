@@ -12,7 +12,7 @@ from typing import Any
 
 import uuid6
 
-from ._store import NewJob
+from ._jobs import NewJob
 from ._text import JsonError, jsonb_dumps, storable
 from .errors import IdempotencyKeyRequired, MessageError
 from .settings import Settings

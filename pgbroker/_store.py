@@ -1,14 +1,15 @@
-"""The only code that runs SQL: one :class:`Store` per broker connection.
+"""The broker's statements: one :class:`Store` per broker connection.
 
-Queries live in ``sql/queries.sql`` as named blocks, loaded once. A store owns one psycopg
-connection in autocommit mode: every method is one statement, so one short transaction, and
-psycopg serialises calls from several threads (an ack from a thread pool, a heartbeat thread).
+Its statements are named blocks of ``sql/*.sql``, run through :class:`pgbroker._sql.Queries`;
+what a message to insert is, and how it becomes parameters, is :mod:`pgbroker._jobs`. A store
+owns one psycopg connection in autocommit mode: every method is one statement, so one short
+transaction, and psycopg serialises calls from several threads (an ack from a thread pool, a
+heartbeat thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import re
@@ -24,17 +25,17 @@ from typing import Any
 
 import psycopg
 from psycopg.adapt import Transformer
-from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from . import _db
-from ._sql import queries
-from ._text import escape, jsonb_dumps, register_jsonb_loaders
+from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
+from ._sql import Queries, queries
+from ._text import escape, register_jsonb_loaders
 from .migrate import check as check_schema
 from .migrate import migrate as run_migrations
 from .settings import Settings
 
-__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "message_digest", "BROADCAST_TTL"]
+__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -67,98 +68,6 @@ _PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcas
 #: Parameters of job_insert sent in binary format (bytea).
 _BINARY_PARAMS = frozenset({"body", "message_digest"})
 
-@dataclass(frozen=True, slots=True)
-class NewJob:
-    """A message to insert; built by the transport or by :func:`pgbroker.enqueue`."""
-
-    id: uuid.UUID
-    queue: str
-    body: bytes
-    content_type: str | None
-    content_encoding: str | None
-    headers: dict[str, Any]
-    properties: dict[str, Any]
-    exchange: str = ""
-    routing_key: str = ""
-    task: str | None = None
-    task_id: str | None = None
-    retries: int = 0
-    priority: int = 0
-    max_attempts: int = 5
-    run_at: datetime | None = None
-    expires_at: datetime | None = None
-    idempotency_key: str | None = None
-    #: ``headers`` and ``properties`` as jsonb text (escaped where needed: pgbroker._text),
-    #: made once where the message was checked; None: made from the dicts when sent.
-    headers_json: str | None = None
-    properties_json: str | None = None
-
-    def _json(self) -> tuple[str, str]:
-        return (self.headers_json if self.headers_json is not None else jsonb_dumps(self.headers),
-                self.properties_json if self.properties_json is not None
-                else jsonb_dumps(self.properties))
-
-    def jsonb(self) -> tuple[Jsonb, Jsonb]:
-        """``headers`` and ``properties`` as psycopg parameters."""
-        headers, properties = self._json()
-        return (Jsonb(self.headers, dumps=lambda _: headers),
-                Jsonb(self.properties, dumps=lambda _: properties))
-
-    def params(self) -> dict[str, Any]:
-        headers, properties = self.jsonb()
-        return {
-            "id": self.id, "queue": self.queue, "task": self.task, "task_id": self.task_id,
-            "retries": self.retries, "exchange": self.exchange, "routing_key": self.routing_key,
-            "body": self.body, "content_type": self.content_type,
-            "content_encoding": self.content_encoding, "headers": headers,
-            "properties": properties, "priority": self.priority,
-            "max_attempts": self.max_attempts, "run_at": self.run_at,
-            "expires_at": self.expires_at, "idempotency_key": self.idempotency_key,
-            "message_digest": self.digest(),
-        }
-
-    def text_params(self) -> dict[str, bytes | None]:
-        """:meth:`params` as text-format parameters (the body and the digest stay bytes: binary
-        format)."""
-        headers, properties = (text.encode() for text in self._json())
-        return {
-            "id": str(self.id).encode(), "queue": self.queue.encode(), "task": _text(self.task),
-            "task_id": _text(self.task_id), "retries": b"%d" % self.retries,
-            "exchange": self.exchange.encode(), "routing_key": self.routing_key.encode(),
-            "body": self.body, "content_type": _text(self.content_type),
-            "content_encoding": _text(self.content_encoding),
-            "headers": headers, "properties": properties, "priority": b"%d" % self.priority,
-            "max_attempts": b"%d" % self.max_attempts, "run_at": _text(self.run_at),
-            "expires_at": _text(self.expires_at), "idempotency_key": _text(self.idempotency_key),
-            "message_digest": message_digest(self, headers, properties),
-        }
-
-    def digest(self) -> bytes:
-        """:func:`message_digest` of this message."""
-        headers, properties = self._json()
-        return message_digest(self, headers.encode(), properties.encode())
-
-
-def message_digest(job: NewJob, headers_json: bytes, properties_json: bytes) -> bytes:
-    """SHA-256 of what the producer sent: body, content type and encoding, exchange, routing key,
-    and the JSON of the headers and properties (as stored: ``json.dumps``, escaped where
-    PostgreSQL cannot hold a string, see pgbroker._text; the properties hold
-    no ``delivery_tag``, which kombu makes anew for every ``_publish``).
-
-    With the task id and the queue it is the publish dedupe key (``jobs_message_idx``): only a
-    producer's own retry of one publish (kombu's ``ensure`` running ``_publish`` again after the
-    INSERT committed) sends the same message twice. Every Celery re-publish differs from the
-    message it follows: ``Task.retry`` in ``retries`` and ``eta``, ``Task.replace`` in
-    ``replaced_task_nesting`` and the body, canvas members given one explicit id in their
-    arguments. Two identical messages sent on purpose with one explicit task id are one job
-    (the README's "Guarantees and limits").
-    """
-    return hashlib.sha256(b"\0".join((
-        b"%d" % len(job.body), job.body, (job.content_type or "").encode(),
-        (job.content_encoding or "").encode(), job.exchange.encode(), job.routing_key.encode(),
-        headers_json, properties_json))).digest()
-
-
 def _keep_locked(deliveries: list[tuple[uuid.UUID, int]],
                  locked: list[tuple[uuid.UUID, int]] | None, what: str) -> None:
     if not deliveries:
@@ -175,49 +84,6 @@ def _error(text: str | None) -> str | None:
     """An error or traceback as a text column holds it: escaped if it must be (NUL, lone
     surrogates: pgbroker._text), so recording a failure never fails for its text."""
     return None if text is None else escape(text)
-
-
-def _text(value: Any) -> bytes | None:
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        return value.isoformat().encode()
-    return str(value).encode()
-
-
-def insert_many_params(jobs: Sequence[NewJob], channel: str) -> dict[str, Any]:
-    """Column arrays for ``job_insert_many``."""
-    cols: dict[str, list[Any]] = {}
-    for job in jobs:
-        for key, value in job.params().items():
-            cols.setdefault(key, []).append(value)
-    return {**cols, "channel": channel}
-
-
-def lookup_params(jobs: Sequence[NewJob],
-                  digests: dict[uuid.UUID, bytes] | None = None) -> dict[str, list[Any]]:
-    """Column arrays for ``job_enqueued_ids`` (``digests``: those already made, by job id)."""
-    digests = digests or {}
-    return {
-        "id": [j.id for j in jobs], "task": [j.task for j in jobs],
-        "idempotency_key": [j.idempotency_key for j in jobs], "queue": [j.queue for j in jobs],
-        "task_id": [j.task_id for j in jobs],
-        "message_digest": [digests.get(j.id) or j.digest() for j in jobs],
-    }
-
-
-def log_duplicates(jobs: Sequence[NewJob], found: Sequence[tuple[Any, Any]]) -> None:
-    """A DEBUG line per job that ``job_enqueued_ids`` found to be a duplicate."""
-    if not logger.isEnabledFor(logging.DEBUG):
-        return
-    for job, (job_id, matched) in zip(jobs, found, strict=True):
-        if job_id == job.id:
-            continue
-        what = (f"the same message is job {job_id}" if matched == "message" else
-                f"its idempotency key {job.idempotency_key!r} is job {job_id}" if matched else
-                "the job it duplicates was deleted meanwhile")
-        logger.debug("pgbroker: publish of task %r (%s) to queue %r deduplicated: %s",
-                     job.task, job.task_id, job.queue, what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +110,7 @@ class Store:
     def __init__(self, conninfo: str, settings: Settings, *, application_name: str = "pgbroker"):
         self.conninfo = conninfo
         self.settings = settings
-        self.q = queries(settings.schema)
+        self.q = Queries(settings.schema)
         self._application_name = application_name
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
@@ -322,7 +188,7 @@ class Store:
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
             self._before_statement(conn, sync, lock_timeout)
-            return conn.cursor(binary=binary, row_factory=tuple_row).execute(self.q[name], params)
+            return self.q.execute(conn, name, params, binary=binary)
 
     def _before_statement(self, conn: psycopg.Connection[Any], sync: bool,
                           lock_timeout: float | None = None) -> None:
@@ -346,7 +212,7 @@ class Store:
     def insert(self, job: NewJob) -> None:
         """One message: a statement prepared once per connection, with its parameters encoded
         here rather than by psycopg's adaptation (a quarter less client CPU per INSERT)."""
-        params = job.text_params()
+        params = row_text_params(job)
         params["channel"] = self.settings.channel.encode()
         sync = self.settings.durable_publish
         self._check_fork()
@@ -370,12 +236,12 @@ class Store:
 
     def insert_dead(self, job: NewJob, error: str) -> None:
         """A message kept as a dead letter at once (``job_insert_dead``: unroutable)."""
-        self._execute("job_insert_dead", {**job.params(), "error": _error(error)})
+        self._execute("job_insert_dead", {**row_params(job), "error": _error(error)})
 
     def insert_many(self, jobs: Sequence[NewJob]) -> None:
         if jobs:
             rows = self._execute("job_insert_many",
-                                 insert_many_params(jobs, self.settings.channel)).fetchall()
+                                 batch_lists(jobs, self.settings.channel)).fetchall()
             skipped = {row[0] for row in rows if row[0] is not None}
             if skipped:
                 self.duplicates([job for job in jobs if job.id in skipped])
@@ -475,7 +341,7 @@ class Store:
     def revoke(self, task_ids: Sequence[str], *, actor: str, reason: str,
                detail: dict[str, Any], broadcast: NewJob | None) -> list[tuple[Any, ...]]:
         """``job_revoke``: (task id, job id, state, changed) rows; see pgbroker._revoke."""
-        b = broadcast.params() if broadcast is not None else {}
+        b = row_params(broadcast) if broadcast is not None else {}
         params = {"task_ids": list(task_ids), "actor": actor, "reason": reason,
                   "detail": Jsonb(detail), "channel": self.settings.channel,
                   **{f"b_{k}": b.get(k) for k in ("id", "exchange", "routing_key", "body",
@@ -561,8 +427,7 @@ class Store:
                 # Its estimates (a function over a range known only at run time) pass
                 # jit_above_cost, and compiling took a second where running takes milliseconds.
                 conn.execute("SET LOCAL jit = off")
-                row = conn.cursor(row_factory=tuple_row).execute(self.q["stats_rollup"],
-                                                                 params).fetchone()
+                row = self.q.one(conn, "stats_rollup", params)
         return int(row[0]) + int(row[1])
 
     # -- exchanges, bindings, broadcasts ---------------------------------------------------------
@@ -606,7 +471,7 @@ class Store:
     def fanout(self, job: NewJob) -> None:
         """A message to the fanout exchange ``job.exchange``: a job in each bound queue that is
         not auto-delete, a broadcast for the others, in one statement (``job_fanout``)."""
-        rows = self._execute("job_fanout", {**job.params(),
+        rows = self._execute("job_fanout", {**row_params(job),
                                             "channel": self.settings.channel}).fetchall()
         skipped = [row[0] for row in rows if row[0] is not None]
         if skipped:

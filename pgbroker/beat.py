@@ -81,6 +81,7 @@ from kombu.utils.json import loads as kombu_loads
 from psycopg.rows import dict_row
 
 from . import _db
+from ._broker import broker_of
 from ._schedule import (
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
@@ -137,12 +138,10 @@ class Fired:
 
 
 def _broker(app: Any) -> tuple[str, Settings]:
-    """(conninfo, settings) of ``app``'s pgbroker broker, without connecting."""
-    from .enqueue import _settings  # ConfigurationError unless the broker is pgbroker
-    from .transport import Transport
-
-    settings = _settings(app)
-    return Transport._conninfo(app.connection_for_write()), settings
+    """(conninfo, settings) of ``app``'s pgbroker broker, without connecting (a
+    ConfigurationError unless the broker is pgbroker)."""
+    broker = broker_of(app)
+    return broker.conninfo, broker.settings
 
 
 # -- the scheduler -------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import _db
+from ._build import check_options  # enqueue's own option checks, run at start-up
 from ._schedule import MISFIRE_POLICIES, OVERLAP_POLICIES, Grid, grid_from_spec, grid_of
 from ._sql import Queries
-from .enqueue import _check_options  # enqueue's own option checks, run at start-up
 from .errors import ConfigurationError, OperationError
 from .settings import Settings
 
@@ -102,7 +102,7 @@ def entry_config(name: str, task: str, schedule: Any, args: Any = (), kwargs: An
                 f"option(s) {sorted(unknown)} are not supported by pgbroker's beat (supported: "
                 f"{', '.join(sorted(ENQUEUE_OPTIONS | {'misfire', 'overlap'}))}; route with "
                 "task_routes or 'queue')")
-        _check_options(opts)
+        check_options(opts)
         attempts = opts.get("max_attempts")
         if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool)
                                      or attempts < 1):

@@ -78,7 +78,7 @@ from ._settle import RETRY as SETTLE_RETRY
 from ._settle import Settler
 from ._store import BROADCAST_TTL, JobRow, LoopStatements, NewJob, Store
 from ._text import Unreadable
-from .enqueue import _current_target
+from ._target import current_target
 from .errors import DatabaseUnavailable, MessageError
 from .settings import Settings
 
@@ -374,7 +374,7 @@ class Channel(virtual.Channel):
             self._new_queue(self.deadletter_queue)
             return self._put(self.deadletter_queue, message, **kwargs)
         job = dataclasses.replace(self.new_job(UNROUTABLE, message), idempotency_key=None)
-        target = _current_target()
+        target = current_target()
         if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
             target.add_dead(job, self.settings, reason)
         else:
@@ -394,7 +394,7 @@ class Channel(virtual.Channel):
         if revoke is not None:
             _revoke.apply(self.store, revoke, job, via="celery revoke")
             return
-        target = _current_target()
+        target = current_target()
         if target is None:
             self.store.fanout(job)  # one statement
             return
@@ -469,7 +469,7 @@ class Channel(virtual.Channel):
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         job = self.new_job(queue, message)
-        target = _current_target()
+        target = current_target()
         if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
             target.add(job, self.settings)
         else:

@@ -7,8 +7,9 @@ paid and expire), and the demo a newcomer runs first (``python -m ticketflow dem
 another), loaded lazily the first time the configuration is read.
 
 Modules: ``models`` (SQLAlchemy 2), ``db`` (engine, sessions, migrations), ``services`` (reserve,
-confirm, pay, expire_reservations, ...), ``tasks`` (the Celery tasks), ``gateway`` (a fake payment
-gateway), ``schedule`` (the beat schedule), ``demo``.
+confirm, pay, expire_reservations, ...), ``jobs`` (the jobs the services enqueue, by task name),
+``tasks`` (the Celery tasks, which call the services), ``gateway`` (a fake payment gateway),
+``schedule`` (the beat schedule), ``demo``.
 """
 
 from __future__ import annotations

@@ -6,16 +6,17 @@ import argparse
 import sys
 
 from pgbroker.errors import ConfigurationError, PgBrokerError
+from pgbroker.migrate import migrate as migrate_pgbroker
+
+from . import db
+from .demo import add_arguments
+from .demo import main as demo
 
 
 def _migrate(args: argparse.Namespace) -> int:
     """Migrate pgbroker's schema, then ticketflow's (what a deployment runs before starting)."""
-    from pgbroker.migrate import migrate
-
-    from . import db
-
     url = db.resolve_url(args.database_url, "ticketflow migrate")
-    applied = {"pgbroker": migrate(url), "ticketflow": db.migrate(url)}
+    applied = {"pgbroker": migrate_pgbroker(url), "ticketflow": db.migrate(url)}
     for schema, versions in applied.items():
         print(f"{schema}: " + (f"applied {versions}" if versions else "up to date"))
     return 0
@@ -28,8 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser("demo", help="run the live demo (worker, beat, a few hundred "
                                        "reservations); Ctrl-C stops it")
-    from .demo import add_arguments
-
     add_arguments(demo)
     migrate = sub.add_parser("migrate", help="apply pgbroker's and ticketflow's migrations")
     migrate.add_argument("--database-url", metavar="URL",
@@ -45,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "migrate":
             return _migrate(args)
-        from .demo import main as demo
-
         return demo(args)
     except ConfigurationError as exc:
         print(f"python -m ticketflow {args.command}: {exc}", file=sys.stderr)

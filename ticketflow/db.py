@@ -27,6 +27,7 @@ from pgbroker._localdb import admin_url, normalize_url, resolve_database_url
 from pgbroker.errors import ConfigurationError, DatabaseUnavailable
 from pgbroker.migrate import apply, load
 
+from . import app as celery_app
 from .models import SCHEMA
 
 __all__ = ["create_database", "database_url", "dispose", "drop_database", "engine", "migrate",
@@ -44,9 +45,7 @@ def database_url(app: Any = None) -> str:
 
     ``app`` defaults to ``ticketflow.app``.
     """
-    if app is None:
-        from . import app
-    return normalize_url(str(app.conf.broker_url))
+    return normalize_url(str((celery_app if app is None else app).conf.broker_url))
 
 
 def resolve_url(url: str | None = None, purpose: str = "ticketflow") -> str:

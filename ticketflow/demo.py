@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import importlib.util
 import os
 import random
 import shlex
@@ -48,12 +49,13 @@ from typing import Any, TextIO
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from pgbroker._db import mask_password
 from pgbroker._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from pgbroker.errors import ConfigurationError
 from pgbroker.migrate import migrate as migrate_pgbroker
 from pgbroker.settings import Settings
 
-from . import db, services
+from . import app, db, services
 from .schedule import ENV_EXPIRE_INTERVAL
 from .tasks import ENV_PDF_SECONDS
 
@@ -173,8 +175,6 @@ class Child:
 def _config_dir() -> Path:
     """The directory of the Celery config module (``celeryconfig.py`` at the repository root),
     made importable here too; the children get it in PYTHONPATH."""
-    import importlib.util
-
     name = os.environ.get("TICKETFLOW_CONFIG_MODULE", "celeryconfig")
     spec = importlib.util.find_spec(name.split(".")[0])
     if spec is None or spec.origin is None:
@@ -517,8 +517,6 @@ def _watch(session: Session, plan: Plan, children: list[Child], short: bool, tim
 
 
 def _schema_of() -> str:
-    from . import app
-
     return Settings.from_options(app.conf.broker_transport_options).schema
 
 
@@ -542,8 +540,6 @@ def _summary(counts: Counts, dead: list[tuple[str, str]], elapsed: float, out: T
 
 
 def _describe(server: str, from_env: bool) -> str:
-    from pgbroker._db import mask_password
-
     if from_env:
         return f"the server of {ENV_DATABASE_URL} ({mask_password(server)})"
     if server == DEFAULT_LOCAL_URL:

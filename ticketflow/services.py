@@ -2,8 +2,9 @@
 
 Every function takes a SQLAlchemy session with no transaction in progress and runs as ONE
 transaction of its own, committed when it returns (rolled back when it raises). The jobs a change
-needs are written in that same transaction with :func:`pgbroker.enqueue`: a confirmed reservation
-always has its e-mail job, and a rolled back confirmation never sends one.
+needs are written in that same transaction through :mod:`ticketflow.jobs` (``pgbroker.enqueue``
+by task name): a confirmed reservation always has its e-mail job, and a rolled back
+confirmation never sends one. The tasks call this module; this module never imports the tasks.
 
 Flow: :func:`reserve` holds seats for a while (``held``); :func:`confirm` makes it ``confirmed``
 and enqueues the confirmation e-mail; :func:`pay` records a payment and enqueues its charge (the
@@ -28,10 +29,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-import pgbroker
-
-from . import app as celery_app
-from . import gateway, tasks
+from . import gateway, jobs
 from .models import (
     CONFIRMED,
     EXPIRED,
@@ -184,8 +182,7 @@ def confirm(session: Session, reservation_id: int) -> Reservation:
                               f"{reservation.hold_expires_at:%Y-%m-%d %H:%M:%S%z}")
         reservation.state, reservation.confirmed_at = CONFIRMED, now
         # The e-mail job commits with the confirmation, or not at all.
-        pgbroker.enqueue(session, tasks.send_confirmation_email, (reservation.id,),
-                         app=celery_app)
+        jobs.send_confirmation_email(session, reservation.id)
     return reservation
 
 
@@ -275,10 +272,8 @@ def pay(session: Session, reservation_id: int, card: str,
                           gateway_calls=0)
         session.add(payment)
         session.flush()  # the id, for the idempotency key
-        # A money task: pgbroker refuses it without a key (require_idempotency_key in
-        # celeryconfig.py), and the key makes a second enqueue of this payment a no-op.
-        pgbroker.enqueue(session, tasks.charge_payment, (payment.id,),
-                         idempotency_key=f"payment:{payment.id}", app=celery_app)
+        # A money task: its job carries the idempotency key payment:<id> (see jobs.py).
+        jobs.charge_payment(session, payment.id)
     return payment
 
 
@@ -318,8 +313,7 @@ def charge(session: Session, payment_id: int) -> str:
             attempt.error = payment.last_error = f"{type(exc).__name__}: {exc}"
         else:
             payment.state, payment.gateway_ref, payment.last_error = SUCCEEDED, reference, None
-            pgbroker.enqueue(session, tasks.render_ticket_pdf, (payment.reservation_id,),
-                             app=celery_app)
+            jobs.render_ticket_pdf(session, payment.reservation_id)
         payment.updated_at = func.now()
         session.add(attempt)
     if failure is not None:
@@ -368,7 +362,7 @@ def send_confirmation(session: Session, reservation_id: int) -> bool:
     _id(reservation_id, "reservation")
     with _transaction(session):
         if not claim_once(session, f"email:{reservation_id}:confirmation",
-                          tasks.send_confirmation_email.name):
+                          jobs.SEND_CONFIRMATION_EMAIL):
             logger.info("confirmation e-mail of reservation %s already sent", reservation_id)
             return False
         row = session.execute(

@@ -1,7 +1,8 @@
 """ticketflow's Celery tasks, written as any Celery user writes them (``@shared_task``).
 
 Each task is thin: it opens a session and calls the service layer (:mod:`ticketflow.services`),
-where the transactions are. Delivery is at least once (``task_acks_late``): every task is
+where the transactions are; the services enqueue these tasks by name (:mod:`ticketflow.jobs`),
+never importing this module, so the dependency runs one way. Delivery is at least once (``task_acks_late``): every task is
 idempotent, so a redelivery (a worker killed mid-task, a duplicated message) does no harm.
 
 * :func:`send_confirmation_email` (queue ``email``): one e-mail per reservation, kept by a
@@ -26,7 +27,7 @@ from sqlalchemy.exc import OperationalError
 
 from pgbroker import DatabaseUnavailable
 
-from . import db, services
+from . import db, jobs, services
 from .gateway import TransientPaymentError
 
 __all__ = ["send_confirmation_email", "charge_payment", "expire_reservations",
@@ -40,7 +41,7 @@ CHARGE_MAX_RETRIES = 4
 ENV_PDF_SECONDS = "TICKETFLOW_PDF_SECONDS"
 
 
-@shared_task(name="ticketflow.tasks.send_confirmation_email")
+@shared_task(name=jobs.SEND_CONFIRMATION_EMAIL)
 def send_confirmation_email(reservation_id: int) -> bool:
     """Send the confirmation e-mail of a reservation, once; False for a duplicate delivery."""
     with db.session() as session:
@@ -65,7 +66,7 @@ class _PaymentTask(Task):
             logger.exception("could not mark payment %s failed", payment_id)
 
 
-@shared_task(name="ticketflow.tasks.charge_payment", base=_PaymentTask,
+@shared_task(name=jobs.CHARGE_PAYMENT, base=_PaymentTask,
              autoretry_for=(TransientPaymentError, OperationalError, DatabaseUnavailable),
              retry_backoff=True, retry_backoff_max=60, retry_jitter=True,
              max_retries=CHARGE_MAX_RETRIES)
@@ -82,7 +83,7 @@ def expire_reservations() -> int:
         return services.expire_reservations(session)
 
 
-@shared_task(name="ticketflow.tasks.render_ticket_pdf", time_limit=30, soft_time_limit=25)
+@shared_task(name=jobs.RENDER_TICKET_PDF, time_limit=30, soft_time_limit=25)
 def render_ticket_pdf(reservation_id: int) -> bool:
     """Render and store the PDF ticket of a paid reservation; False if it existed already."""
     seconds = float(os.environ.get(ENV_PDF_SECONDS) or 0.5)

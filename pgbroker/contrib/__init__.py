@@ -1,1 +1,3 @@
-"""Integrations with other frameworks; each module imports its framework only when used."""
+"""Integrations with other libraries: the connectors for their connections
+(``sqlalchemy_connector``, ``django_connector``: see :mod:`pgbroker._connector`), imported only
+for a connection of theirs, and Django's user API (``django``)."""

@@ -32,8 +32,8 @@ from psycopg.rows import dict_row
 from sqlalchemy import create_engine
 
 import pgbroker
-from pgbroker.enqueue import (  # the module; pgbroker.enqueue is the function
-    _current_target, _plain_repr, _task_id)
+from pgbroker._build import _plain_repr, _task_id
+from pgbroker._target import current_target as _current_target
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from tests.helpers import wait_for
 from tests.integration.enqueue_support import (
@@ -614,14 +614,14 @@ def mixed_items(app: Celery) -> list[tuple[Any, ...]]:
 
 def _count_build(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the messages enqueue_many makes with _build (instrumented: the real one runs)."""
-    module = sys.modules["pgbroker.enqueue"]
-    real, calls = module._build, [0]
+    module = sys.modules["pgbroker._build"]
+    real, calls = module.build, [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "_build", counted)
+    monkeypatch.setattr(module, "build", counted)
     return calls
 
 

@@ -1,0 +1,68 @@
+"""The Django connector: pgbroker writes in the transaction of a Django database connection.
+
+Django (4.2 and later, with psycopg 3 installed) runs on a psycopg 3 connection,
+``connection.connection``: :func:`driver_connection` returns it, and pgbroker writes on it in
+whatever transaction Django has open. Django has no commit hook pgbroker uses: as with a raw
+psycopg connection, :func:`pgbroker.transaction` writes when its block is left. See
+:mod:`pgbroker._connector` for the connectors' shape; :mod:`pgbroker.contrib.django` is the
+user-facing API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+
+__all__ = ["DjangoConnector", "driver_connection"]
+
+
+class DjangoConnector:
+    """A Django database connection (``django.db.connection`` or ``connections[alias]``)."""
+
+    has_events = False
+
+    def __init__(self, db: Any):
+        self.db = db
+
+    def connection(self) -> psycopg.Connection[Any]:
+        return driver_connection(self.db)
+
+    @contextlib.contextmanager
+    def hooks(self, flush: Callable[[], None], discard: Callable[[], None]) -> Iterator[None]:
+        yield  # no commit hook: transaction() writes when its block is left
+
+
+def driver_connection(db: Any) -> psycopg.Connection[Any]:
+    """The psycopg 3 connection under a Django connection (``django.db.connection`` or
+    ``django.db.connections[alias]``).
+
+    Opens the Django connection if it is not open yet (as Django's own first query would).
+
+    Raises:
+        TypeError: ``db`` is not a Django connection, or not PostgreSQL on psycopg 3.
+    """
+    # Django is optional (a test dependency of pgbroker, never a runtime one): imported only
+    # when a Django connection is used.
+    from django.db import connections
+    from django.db.backends.base.base import BaseDatabaseWrapper
+    from django.utils.connection import ConnectionProxy
+
+    if isinstance(db, ConnectionProxy):  # django.db.connection: this thread's "default"
+        db = connections[db.alias]
+    if not isinstance(db, BaseDatabaseWrapper):
+        raise TypeError(f"expected a Django database connection (django.db.connections[...]), "
+                        f"not {type(db).__module__}.{type(db).__name__}")
+    if db.vendor != "postgresql":
+        raise TypeError(f"pgbroker needs PostgreSQL, but Django database {db.alias!r} is "
+                        f"{db.vendor} ({db.settings_dict.get('ENGINE')})")
+    db.ensure_connection()
+    raw = db.connection
+    if not isinstance(raw, psycopg.Connection):
+        raise TypeError(
+            f"pgbroker needs the psycopg 3 driver, but Django database {db.alias!r} runs on "
+            f"{type(raw).__module__}: install psycopg 3 (`pip install psycopg`), which Django "
+            "4.2 and later prefer to psycopg2")
+    return raw
