@@ -8,7 +8,7 @@ Database layout of a test session (procrastinate's and psycopg's pattern):
 * ``db_url`` — a fresh copy of the template for each test (``CREATE DATABASE ... TEMPLATE``), so a
   test may commit, crash workers or drop tables without affecting any other test.
 
-Workers and beats started through ``tests.helpers`` are killed at the end of the test that started
+Workers and beats started through ``tests.support.processes`` are killed at the end of the test that started
 them, whether it passed or not (``_stop_celery_processes`` below).
 """
 
@@ -24,7 +24,7 @@ import pytest
 from psycopg import sql
 
 from pgbroker._localdb import admin_url, resolve_database_url
-from tests import helpers
+from tests.support import processes as helpers
 
 _counter = itertools.count(1)
 
@@ -129,7 +129,7 @@ def pg(db_url: str) -> Iterator[psycopg.Connection]:
 def _stop_celery_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     """Stop every worker/beat process started during the test, even when the test failed.
 
-    Also points ``tests.helpers`` at this test's ``tmp_path`` for the processes' log files.
+    Also points ``tests.support.processes`` at this test's ``tmp_path`` for the processes' log files.
     """
     before = set(helpers.live_processes())
     helpers.log_dir_provider = lambda: request.getfixturevalue("tmp_path") / "celery-logs"

@@ -24,7 +24,6 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,6 +36,7 @@ import pytest
 from psycopg import sql
 
 from pgbroker.migrate import migrate
+from tests.support.db import free_port
 
 __all__ = ["ThrowawayServer", "find_bindir", "own_db", "own_server", "throwaway_server"]
 
@@ -61,12 +61,6 @@ def find_bindir() -> Path | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ThrowawayServer:
     """One PostgreSQL cluster in a temporary directory, on ``127.0.0.1:<port>``."""
 
@@ -78,7 +72,7 @@ class ThrowawayServer:
         self.root = Path(tempfile.mkdtemp(prefix="pgbroker-chaos-pg-"))
         self.datadir = self.root / "data"
         self.log = self.root / "server.log"
-        self.port = _free_port()
+        self.port = free_port()
         self._user: str | None = None
         if os.geteuid() == 0:  # postgres refuses root: run it as the postgres system user
             self._user = "postgres"

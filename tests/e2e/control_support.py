@@ -18,9 +18,9 @@ import psycopg
 from celery import Celery
 from celery.utils.nodenames import gethostname
 
-from tests import helpers
+from tests.support import processes as helpers
 from tests.e2e.support import _drop_pools, start_worker
-from tests.helpers import REPO_ROOT, CeleryProcess, WorkerProcess, wait_for
+from tests.support.processes import REPO_ROOT, CeleryProcess, WorkerProcess, wait_for
 
 __all__ = ["REPLY_QUEUES", "REPLY_TIMEOUT", "all_replies", "celery_cli", "cli_json",
            "client_app", "leftovers", "node", "start_celery", "start_workers", "timed_ping"]
@@ -34,7 +34,7 @@ REPLY_QUEUES = "%.reply.celery.pidbox"
 
 
 def node(worker: WorkerProcess) -> str:
-    """The Celery node name of a worker started by ``tests.helpers.run_worker`` (``-n name@%h``)."""
+    """The Celery node name of a worker started by ``tests.support.processes.run_worker`` (``-n name@%h``)."""
     return f"{worker.name}@{gethostname()}"
 
 

@@ -22,7 +22,8 @@ from kombu import pools
 from psycopg.rows import dict_row
 
 from tests.e2e import app as e2e
-from tests.helpers import WorkerProcess, run_worker, wait_for
+from tests.support.db import counts as jobs_by_state
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 __all__ = [
     "job",
@@ -109,11 +110,6 @@ def wait_state(pg: psycopg.Connection, task_id: str, state: str,
     return wait_for(lambda: (row := job(pg, task_id))["state"] == state and row, timeout,
                     interval=0.05, message=lambda: f"job {task_id} to be {state} "
                     f"(it is {job(pg, task_id)['state']})")
-
-
-def jobs_by_state(pg: psycopg.Connection) -> dict[str, int]:
-    """``{state: count}`` over every job row."""
-    return dict(pg.execute("SELECT state, count(*) FROM pgbroker.jobs GROUP BY state").fetchall())
 
 
 def wait_done(pg: psycopg.Connection, keys: list[str], timeout: float) -> None:

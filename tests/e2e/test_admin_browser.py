@@ -32,7 +32,7 @@ from tests.e2e.support import (  # noqa: F401, F811 - fixtures
     runs,
     start_worker,
 )
-from tests.helpers import REPO_ROOT, run_beat, wait_for
+from tests.support.processes import REPO_ROOT, run_beat, wait_for
 from tests.integration.admin_support import fill_depth, fill_history
 from tests.integration.test_cli import pgbroker_process
 from tests.integration.test_metrics import LOST, add_job

@@ -31,7 +31,7 @@ from tests.e2e.support import (  # noqa: F401 - fixtures
     wait_done,
     wait_state,
 )
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 
 
 @contextlib.contextmanager

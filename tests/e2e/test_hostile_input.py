@@ -36,7 +36,7 @@ from tests.e2e.support import (  # noqa: F401 - fixtures
     start_worker,
     wait_state,
 )
-from tests.helpers import WorkerProcess, wait_for
+from tests.support.processes import WorkerProcess, wait_for
 
 
 @pytest.fixture

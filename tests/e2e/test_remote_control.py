@@ -44,7 +44,7 @@ from tests.e2e.support import (  # noqa: F401 - fixtures
     runs,
     wait_state,
 )
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 
 
 def test_inspect_answers_from_two_workers_with_tasks_running(

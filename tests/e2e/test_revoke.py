@@ -26,7 +26,7 @@ from tests.e2e.support import (  # noqa: F401 - fixtures
     start_worker,
     wait_state,
 )
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 
 
 def revoke_audits(pg: psycopg.Connection) -> int:

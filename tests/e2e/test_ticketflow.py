@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from pgbroker._localdb import admin_url
 from tests.conftest import _drop_database
-from tests.helpers import REPO_ROOT, WorkerProcess, run_beat, run_worker, wait_for
+from tests.support.processes import REPO_ROOT, WorkerProcess, run_beat, run_worker, wait_for
 from tests.integration.ticketflow_support import (  # noqa: F401
     confirmed,
     event,

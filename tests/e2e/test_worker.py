@@ -25,7 +25,7 @@ from tests.e2e.support import (  # noqa: F401 - fixtures
     start_worker,
     wait_state,
 )
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 
 
 def test_thousand_tasks_each_run_exactly_once(producer: Celery, runs: psycopg.Connection,

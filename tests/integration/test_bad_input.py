@@ -39,7 +39,7 @@ from tests.chaos.pgserver_fixture import throwaway_server
 from tests.conftest import _create_database, _drop_database
 from tests.e2e import app as e2e
 from tests.e2e.support import _drop_pools, point_producer
-from tests.helpers import WorkerProcess, run_worker, wait_for
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 from tests.integration.transport_support import Collector, connect, jobs
 
 SECRET = "n0t-in-any-message"

@@ -27,6 +27,7 @@ from pgbroker._schedule import occurrence_key
 from pgbroker.beat import Fired, Scheduler
 from pgbroker.schedules import Schedules
 from pgbroker.errors import ConfigurationError
+from tests.support import db as support_db
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
@@ -83,9 +84,7 @@ def entry(pg: psycopg.Connection, name: str) -> dict[str, Any]:
 
 
 def jobs(pg: psycopg.Connection, task: str | None = None) -> list[dict[str, Any]]:
-    return pg.cursor(row_factory=dict_row).execute(
-        "SELECT * FROM pgbroker.jobs WHERE task = coalesce(%s, task) ORDER BY idempotency_key",
-        (task,)).fetchall()
+    return support_db.jobs(pg, "task = coalesce(%s, task)", (task,), order="idempotency_key")
 
 
 def set_job_state(pg: psycopg.Connection, job_id: Any, state: str,

@@ -34,7 +34,7 @@ from tests.e2e.support import (  # noqa: F401, F811 - fixtures
     runs,
     start_worker,
 )
-from tests.helpers import REPO_ROOT, wait_for
+from tests.support.processes import REPO_ROOT, wait_for
 from tests.integration.test_metrics import CHILD_KILLED, LOST, add_job, add_jobs
 
 Run = Callable[..., tuple[int, str, str]]

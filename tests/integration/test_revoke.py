@@ -25,13 +25,9 @@ from pgbroker.ops import os_user
 from pgbroker.sweeper import Sweeper
 from tests.e2e.control_support import client_app
 from tests.integration.transport_support import connect, new_job, store_for
+from tests.support.db import jobs as rows
 
 TASK = "tests.e2e.app.touch"
-
-
-def rows(pg: psycopg.Connection, where: str, params: Any = None) -> list[dict[str, Any]]:
-    return pg.cursor(row_factory=dict_row).execute(
-        f"SELECT * FROM pgbroker.jobs WHERE {where} ORDER BY id", params).fetchall()
 
 
 def revoke_audit(pg: psycopg.Connection) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import pytest
 import pgbroker
 from pgbroker._store import Store
 from pgbroker.sweeper import Sweeper
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 from tests.integration.transport_support import (
     Collector,
     connect,

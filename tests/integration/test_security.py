@@ -47,7 +47,7 @@ from tests.e2e.support import (  # noqa: F401 - fixtures
     start_worker,
     wait_state,
 )
-from tests.helpers import REPO_ROOT, run_worker, wait_for
+from tests.support.processes import REPO_ROOT, run_worker, wait_for
 
 SECRET = "Sup3r-s3cret-" + uuid.uuid4().hex[:8]
 ROLES_SQL = REPO_ROOT / "pgbroker" / "sql" / "roles.sql.example"

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 import pgbroker
 import ticketflow
-from tests.helpers import REPO_ROOT, wait_for
+from tests.support.processes import REPO_ROOT, wait_for
 from tests.integration.ticketflow_support import (  # noqa: F401
     confirmed,
     event,

@@ -30,7 +30,7 @@ from pgbroker._store import Store
 from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
 from pgbroker.sweeper import Sweeper, lock_class
 from pgbroker.transport import MAX_NAME_LENGTH, Transport
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 from tests.integration.transport_support import (
     NO_POLL,
     Collector,

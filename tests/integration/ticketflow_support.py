@@ -14,11 +14,11 @@ from typing import Any
 import psycopg
 import pytest
 from celery import current_app
-from psycopg.rows import dict_row
 from sqlalchemy.orm import Session
 
 import ticketflow
 from tests.e2e.support import point_producer
+from tests.support.db import rows
 from ticketflow import db, services
 
 __all__ = ["tf_url", "session", "event", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
@@ -52,10 +52,6 @@ def session(tf_url: str) -> Iterator[Session]:
 def event(session: Session) -> int:
     """An event with 20 seats; returns its id."""
     return services.create_event(session, "Test concert", 20).id
-
-
-def rows(pg: psycopg.Connection, query: str, *params: Any) -> list[dict[str, Any]]:
-    return pg.cursor(row_factory=dict_row).execute(query, params).fetchall()
 
 
 def jobs_of(pg: psycopg.Connection, task: str) -> list[dict[str, Any]]:

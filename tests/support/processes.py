@@ -33,7 +33,7 @@ __all__ = [
     "wait_for",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 T = TypeVar("T")
 
