@@ -348,6 +348,10 @@ FROM {schema}.results WHERE task_id = %(task_id)s;
 -- Sessions (pgbroker.admin.auth): the cookie holds a random id, the row its SHA-256.
 -- ---------------------------------------------------------------------------------------------
 
+-- name: admin_now
+-- The database clock, which every admin page shows its times in.
+SELECT now();
+
 -- name: admin_session_insert
 WITH pruned AS (
     DELETE FROM {schema}.admin_sessions WHERE expires_at < now()
