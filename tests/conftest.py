@@ -8,8 +8,12 @@ Database layout of a test session (procrastinate's and psycopg's pattern):
 * ``db_url`` — a fresh copy of the template for each test (``CREATE DATABASE ... TEMPLATE``), so a
   test may commit, crash workers or drop tables without affecting any other test.
 
-Workers and beats started through ``tests.support.processes`` are killed at the end of the test that started
-them, whether it passed or not (``_stop_celery_processes`` below).
+Workers and beats started through ``tests.support.processes`` are killed at the end of the test
+that started them, whether it passed or not (``_stop_celery_processes`` below).
+
+Each tier has a ``conftest.py`` of its own for its own fixtures (tests/integration, tests/chaos,
+tests/kombu_suite); the fixtures several tiers use are in tests/support/fixtures.py, loaded here
+as a plugin; helpers every tier uses are in the tests/support package.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import pytest
 from psycopg import sql
 
 from pgbroker._localdb import admin_url, resolve_database_url
-from tests.support import processes as helpers
+from tests.support import processes
+
+#: The fixtures several tiers share (runs, producer, ticketflow's): no test module imports one.
+pytest_plugins = ("tests.support.fixtures",)
 
 _counter = itertools.count(1)
 
@@ -131,12 +138,12 @@ def _stop_celery_processes(request: pytest.FixtureRequest) -> Iterator[None]:
 
     Also points ``tests.support.processes`` at this test's ``tmp_path`` for the processes' log files.
     """
-    before = set(helpers.live_processes())
-    helpers.log_dir_provider = lambda: request.getfixturevalue("tmp_path") / "celery-logs"
+    before = set(processes.live_processes())
+    processes.log_dir_provider = lambda: request.getfixturevalue("tmp_path") / "celery-logs"
     try:
         yield
     finally:
-        helpers.log_dir_provider = None
-        for proc in helpers.live_processes():
+        processes.log_dir_provider = None
+        for proc in processes.live_processes():
             if proc not in before:
                 proc.stop()

@@ -28,13 +28,8 @@ from tests.chaos.load import CHAOS_TASKS, LoadProducer, tally, wait_all_complete
 from tests.chaos.pgserver_fixture import ThrowawayServer
 from tests.e2e import app as e2e
 from tests.e2e.beat_app import TICK
-from tests.e2e.support import (
-    _drop_pools,
-    key_runs,
-    point_producer,
-    start_worker,
-    wait_state,
-)
+from tests.e2e.support import key_runs, start_worker, wait_state
+from tests.support.producers import drop_pools, point_producer
 from tests.support.db import db_now
 from tests.support.processes import run_beat, wait_for
 
@@ -52,7 +47,7 @@ def own_broker(own_db: str) -> Iterator[str]:
     try:
         yield "pgbroker+" + own_db
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
 
 
 def _occurrences(pg: psycopg.Connection) -> list[str]:

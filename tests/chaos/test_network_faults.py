@@ -43,14 +43,8 @@ from tests.chaos.load import tally
 from tests.chaos.pgserver_fixture import ThrowawayServer
 from tests.chaos.tcp_proxy import TcpProxy
 from tests.e2e import app as e2e
-from tests.e2e.support import (
-    SHORT_LEASE,
-    _drop_pools,
-    key_runs,
-    point_producer,
-    start_worker,
-    wait_state,
-)
+from tests.e2e.support import SHORT_LEASE, key_runs, start_worker, wait_state
+from tests.support.producers import drop_pools, point_producer
 from tests.support import processes as helpers
 from tests.support.db import db_now
 from tests.support.processes import REPO_ROOT, WorkerProcess, wait_for
@@ -248,7 +242,7 @@ def namespaced(own_server: ThrowawayServer, own_db: str) -> Iterator[tuple[Names
         yield proxy, own_db
     finally:
         proxy.close()
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
 
 
 @needs_netns

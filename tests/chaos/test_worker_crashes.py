@@ -15,24 +15,21 @@ import signal
 from datetime import timedelta
 
 import psycopg
-import pytest
 from celery import Celery
 
 from pgbroker.settings import Settings
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401 - fixtures
+from tests.e2e.support import (
     SHORT_LEASE,
     job,
     jobs_by_state,
     key_runs,
     owner_of,
-    point_producer,
-    producer,
-    runs,
     start_worker,
     wait_done,
     wait_state,
 )
+from tests.support.producers import point_producer
 from tests.support.db import db_now
 from tests.support.processes import wait_for
 

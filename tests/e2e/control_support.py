@@ -19,7 +19,8 @@ from celery import Celery
 from celery.utils.nodenames import gethostname
 
 from tests.support import processes as helpers
-from tests.e2e.support import _drop_pools, start_worker
+from tests.e2e.support import start_worker
+from tests.support.producers import drop_pools
 from tests.support.processes import REPO_ROOT, CeleryProcess, WorkerProcess, wait_for
 
 __all__ = ["REPLY_QUEUES", "REPLY_TIMEOUT", "all_replies", "celery_cli", "cli_json",
@@ -90,7 +91,7 @@ def client_app(broker_url: str, **conf: Any) -> Iterator[Celery]:
     try:
         yield app
     finally:
-        _drop_pools(app)  # kombu's global producer pools too: their leases must end now
+        drop_pools(app)  # kombu's global producer pools too: their leases must end now
         app.close()
 
 

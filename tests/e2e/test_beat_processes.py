@@ -19,7 +19,6 @@ import pytest
 
 from pgbroker.beat import Schedules
 from tests.e2e.beat_app import TICK
-from tests.e2e.support import runs  # noqa: F401 - fixture
 from tests.support.db import db_now
 from tests.support.processes import BeatProcess, run_beat, run_worker, wait_for
 

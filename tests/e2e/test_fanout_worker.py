@@ -13,7 +13,7 @@ from celery import Celery
 
 from tests.e2e import app as e2e
 from tests.e2e.fanout_app import FANOUT
-from tests.e2e.support import key_runs, producer, runs  # noqa: F401 - fixtures
+from tests.e2e.support import key_runs
 from tests.support.processes import run_worker, wait_for
 
 

@@ -25,16 +25,7 @@ from sqlalchemy.orm import Session
 from pgbroker._localdb import admin_url
 from tests.conftest import _drop_database
 from tests.support.processes import REPO_ROOT, WorkerProcess, run_beat, run_worker, wait_for
-from tests.integration.ticketflow_support import (  # noqa: F401
-    confirmed,
-    event,
-    held,
-    jobs_of,
-    rows,
-    seats_taken,
-    session,
-    tf_url,
-)
+from tests.integration.ticketflow_support import confirmed, held, jobs_of, rows, seats_taken
 from ticketflow import services, tasks
 from ticketflow.schedule import ENV_EXPIRE_INTERVAL
 

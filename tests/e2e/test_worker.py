@@ -15,16 +15,7 @@ import psycopg
 from celery import Celery
 
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    job,
-    jobs_by_state,
-    key_runs,
-    percentile,
-    producer,
-    runs,
-    start_worker,
-    wait_state,
-)
+from tests.e2e.support import job, jobs_by_state, key_runs, percentile, start_worker, wait_state
 from tests.support.processes import wait_for
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import re
 import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -20,42 +19,10 @@ from psycopg.types.json import Jsonb
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import OPERATOR, Credentials, Login, is_loopback
 from pgbroker.errors import ConfigurationError, SchemaError
+from tests.integration.admin_support import CREDS, csrf, csrf_of
 from tests.integration.test_metrics import LOST, add_job
 
-CREDS = Credentials(user="alice", password="correct horse", token="s3cret-token-0123",
-                    viewer_user="victor", viewer_password="look but don't touch",
-                    viewer_token="viewer-token-4567")
 XSS = "<script>alert('pwned')</script>"
-
-
-@pytest.fixture
-def app(db_url: str, pg: psycopg.Connection) -> Iterator[Flask]:
-    pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q1')")
-    app = create_app(db_url, credentials=CREDS, refresh=1)
-    app.config["TESTING"] = True
-    yield app
-    app.extensions["pgbroker"].close()
-
-
-def csrf_of(html: str) -> str:
-    match = re.search(r'name="csrf_token" value="([^"]+)"', html)
-    assert match, "no CSRF token in the page"
-    return match[1]
-
-
-@pytest.fixture
-def client(app: Flask) -> FlaskClient:
-    """A client logged in as alice."""
-    client = app.test_client()
-    token = csrf_of(client.get("/login").text)
-    response = client.post("/login", data={"user": "alice", "password": "correct horse",
-                                           "csrf_token": token})
-    assert response.status_code == 303
-    return client
-
-
-def csrf(client: FlaskClient) -> str:
-    return csrf_of(client.get("/").text)
 
 
 # -- authentication ------------------------------------------------------------------------------

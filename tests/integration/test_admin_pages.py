@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 
 from pgbroker.beat import Schedules
 from pgbroker.ops import JobFilter, Operations
-from tests.integration.test_admin import app, client, csrf  # noqa: F401 - fixtures
+from tests.integration.admin_support import csrf
 from tests.integration.test_metrics import add_job
 
 

@@ -18,9 +18,9 @@ from psycopg.types.json import Jsonb
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials, LoginThrottle
 from pgbroker.errors import ConfigurationError
-from tests.integration.test_admin import CREDS, app, csrf, csrf_of  # noqa: F401 - a fixture
-from tests.integration.test_cli import Run, cli  # noqa: F401 - a fixture
+from tests.integration.admin_support import CREDS, csrf, csrf_of
 from tests.integration.test_metrics import add_job
+from tests.support.processes import Run
 
 
 def log_in(app: Flask, user: str = "alice", password: str = "correct horse",

@@ -17,7 +17,6 @@ from pgbroker._store import Store
 from pgbroker.admin.stats import Histogram, window
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
-from tests.integration.test_admin import app, client  # noqa: F401 - fixtures
 from tests.integration.test_metrics import add_job
 
 

@@ -38,7 +38,7 @@ from pgbroker.transport import MAX_NAME_LENGTH
 from tests.chaos.pgserver_fixture import throwaway_server
 from tests.conftest import _create_database, _drop_database
 from tests.e2e import app as e2e
-from tests.e2e.support import _drop_pools, point_producer
+from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 from tests.integration.transport_support import Collector, connect, jobs
 
@@ -79,7 +79,7 @@ def worker(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield proc.wait_ready(60)
     finally:
         proc.stop()
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
 
 
 def row(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:

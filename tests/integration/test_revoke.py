@@ -221,7 +221,7 @@ def test_the_admin_job_page_shows_a_cancelled_by_revoke_job_with_its_audit_entry
         db_url: str, pg: psycopg.Connection) -> None:
     pytest.importorskip("flask")
     from pgbroker.admin import create_app
-    from tests.integration.test_admin import CREDS, csrf_of
+    from tests.integration.admin_support import CREDS, csrf_of
 
     store = store_for(db_url)
     try:

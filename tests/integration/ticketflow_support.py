@@ -1,4 +1,4 @@
-"""Fixtures and look-ups shared by the ticketflow tests (tests/integration/test_ticketflow_services.py
+"""Look-ups shared by the ticketflow tests (tests/integration/test_ticketflow_services.py
 and tests/e2e/test_ticketflow.py).
 
 ``ticketflow.app`` is pointed at the test's database for the duration of a test and made Celery's
@@ -8,50 +8,15 @@ the current app).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
-from celery import current_app
 from sqlalchemy.orm import Session
 
-import ticketflow
-from tests.e2e.support import point_producer
 from tests.support.db import rows
-from ticketflow import db, services
+from ticketflow import services
 
-__all__ = ["tf_url", "session", "event", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
-
-
-@pytest.fixture
-def tf_url(broker_url: str, db_url: str) -> Iterator[str]:
-    """``db_url`` with ticketflow's schema migrated; ``ticketflow.app`` publishes there."""
-    db.migrate(db_url)
-    app = ticketflow.app
-    options = dict(app.conf.broker_transport_options)
-    original = app.conf.broker_url
-    previous = current_app._get_current_object()
-    point_producer(app, broker_url, options)
-    app.set_current()
-    try:
-        yield db_url
-    finally:
-        db.dispose()
-        point_producer(app, original, options)
-        previous.set_current()
-
-
-@pytest.fixture
-def session(tf_url: str) -> Iterator[Session]:
-    with db.session(tf_url) as s:
-        yield s
-
-
-@pytest.fixture
-def event(session: Session) -> int:
-    """An event with 20 seats; returns its id."""
-    return services.create_event(session, "Test concert", 20).id
+__all__ = ["held", "confirmed", "jobs_of", "rows", "seats_taken"]
 
 
 def jobs_of(pg: psycopg.Connection, task: str) -> list[dict[str, Any]]:
