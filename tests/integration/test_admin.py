@@ -17,10 +17,10 @@ from flask.testing import FlaskClient
 from psycopg.types.json import Jsonb
 
 from pgbroker.admin import create_app
-from pgbroker.admin.auth import OPERATOR, Credentials, Login, is_loopback
-from pgbroker.errors import ConfigurationError, SchemaError
+from pgbroker.admin.auth import Credentials
+from pgbroker.errors import SchemaError
 from tests.integration.admin_support import CREDS, csrf, csrf_of
-from tests.integration.test_metrics import LOST, add_job
+from tests.support.db import LOST, add_job
 
 XSS = "<script>alert('pwned')</script>"
 
@@ -90,20 +90,6 @@ def test_create_app_refuses_missing_credentials_and_schema(db_url: str) -> None:
         create_app(db_url, credentials=Credentials())
     with pytest.raises(SchemaError, match="pgbroker migrate"):
         create_app(db_url, "nothere", credentials=CREDS)
-
-
-def test_credentials_and_loopback() -> None:
-    token = "t0ken-0123456789"
-    assert Credentials.from_env({"PGBROKER_ADMIN_TOKEN": token}).configured
-    assert not Credentials.from_env({}).configured
-    with pytest.raises(ConfigurationError, match="set both"):
-        Credentials.from_env({"PGBROKER_ADMIN_PASSWORD": "p"})
-    assert CREDS.login("alice", "correct horse", None) == Login("alice", OPERATOR)
-    assert CREDS.login(None, None, "s3cret-token-0123") == Login("alice", OPERATOR)
-    assert Credentials(token=token).login(None, None, token) == Login("token", OPERATOR)
-    assert CREDS.login("alice", "", None) is None and CREDS.login(None, None, "") is None
-    assert all(map(is_loopback, ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"]))
-    assert not any(map(is_loopback, ["0.0.0.0", "", "::", "10.0.0.1", "example.com"]))
 
 
 # -- CSRF ----------------------------------------------------------------------------------------

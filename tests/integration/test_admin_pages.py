@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 from pgbroker.beat import Schedules
 from pgbroker.ops import JobFilter, Operations
 from tests.integration.admin_support import csrf
-from tests.integration.test_metrics import add_job
+from tests.support.db import add_job
 
 
 def uuid7_at(t: datetime) -> uuid.UUID:

@@ -26,7 +26,7 @@ from pgbroker.ops import os_user
 from tests.e2e import app as e2e
 from tests.e2e.support import job, key_runs, start_worker
 from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
-from tests.integration.test_metrics import CHILD_KILLED, LOST, add_job, add_jobs
+from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs
 
 @pytest.fixture
 def queue(pg: psycopg.Connection) -> str:
