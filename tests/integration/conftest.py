@@ -2,7 +2,9 @@
 
 * ``app``, ``client`` -- the admin app on this test's database, and a test client logged in
   as alice (tests/integration/test_admin*.py; their logins and helpers: admin_support.py);
-* ``cli`` -- ``pgbroker`` commands run in-process against this test's database.
+* ``cli`` -- ``pgbroker`` commands run in-process against this test's database;
+* ``store`` -- a :class:`~pgbroker._store.Store` on this test's database, with the options of
+  transport_support.py (no sweeping behind the test's back).
 
 The fixtures of every tier (``db_url``, ``pg``...) are in tests/conftest.py; those several
 tiers share (``runs``, ``producer``, ticketflow's) in tests/support/fixtures.py.
@@ -17,9 +19,11 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
+from pgbroker._store import Store
 from pgbroker.admin import create_app
 from pgbroker.cli import main
 from tests.integration.admin_support import CREDS, csrf_of
+from tests.integration.transport_support import store_for
 from tests.support.processes import Run
 
 
@@ -55,3 +59,11 @@ def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    """A store on this test's database (closed after the test)."""
+    s = store_for(db_url)
+    yield s
+    s.close()

@@ -8,23 +8,14 @@ on the database's clock, without waiting for the lease to run out.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 
 import psycopg
-import pytest
 
 from pgbroker._store import Store
 from pgbroker.sweeper import Sweeper, SweepResult
-from tests.integration.transport_support import new_job, store_for
+from tests.integration.transport_support import new_job
 from tests.support.db import counts, db_now, jobs
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = store_for(db_url)
-    yield s
-    s.close()
 
 
 def crashed_worker(store: Store, pg: psycopg.Connection, queue: str) -> uuid.UUID:
