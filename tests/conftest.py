@@ -20,60 +20,19 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from pgbroker._localdb import admin_url, resolve_database_url
+from tests.support.databases import create_database, drop_database
 from tests.support import processes
 
 #: The fixtures several tiers share (runs, producer, ticketflow's): no test module imports one.
 pytest_plugins = ("tests.support.fixtures",)
 
 _counter = itertools.count(1)
-
-
-def _drop_database(maintenance_url: str, name: str) -> None:
-    """Terminate the backends of ``name`` and drop it (PostgreSQL 13+ for WITH (FORCE))."""
-    with psycopg.connect(maintenance_url, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-
-
-def _create_database(maintenance_url: str, name: str, template: str | None = None) -> None:
-    """Create ``name`` (from ``template``), retrying while the template is briefly in use."""
-    query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
-    if template is not None:
-        query = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template)
-        )
-    deadline = time.monotonic() + 10
-    with psycopg.connect(maintenance_url, autocommit=True) as conn:
-        while True:
-            if template is not None:
-                # CREATE DATABASE ... TEMPLATE fails while anyone is connected to the template
-                # (a pool left open by the migration, say): disconnect them first.
-                conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE datname = %s AND pid <> pg_backend_pid()",
-                    (template,),
-                )
-            try:
-                conn.execute(query)
-                return
-            except psycopg.errors.ObjectInUse:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
@@ -86,37 +45,37 @@ def database_url() -> str:
 def template_db(database_url: str) -> Iterator[str]:
     """Name of a migrated database, created once per session and dropped at its end."""
     name = f"pgbroker_test_template_{os.getpid()}"
-    _drop_database(database_url, name)  # a leftover from a killed run with the same pid
-    _create_database(database_url, name)
+    drop_database(database_url, name)  # a leftover from a killed run with the same pid
+    create_database(database_url, name)
     try:
         from pgbroker.migrate import migrate  # lazy: conftest must load without the module
 
         migrate(admin_url(database_url, name))
         yield name
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture
 def db_url(database_url: str, template_db: str) -> Iterator[str]:
     """URL (postgresql://) of a fresh, migrated database for this test only."""
     name = f"pgbroker_test_{os.getpid()}_{next(_counter)}"
-    _create_database(database_url, name, template=template_db)
+    create_database(database_url, name, template=template_db)
     try:
         yield admin_url(database_url, name)
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture
 def empty_url(database_url: str) -> Iterator[str]:
     """URL (postgresql://) of a brand-new database with no pgbroker schema at all."""
     name = f"pgbroker_test_empty_{os.getpid()}_{next(_counter)}"
-    _create_database(database_url, name)
+    create_database(database_url, name)
     try:
         yield admin_url(database_url, name)
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from psycopg import sql
 
 import pgbroker
 from pgbroker.migrate import MIGRATIONS, migrate
-from tests.conftest import _create_database, _drop_database
+from tests.support.databases import create_database, drop_database
 from tests.e2e import app as e2e
 from tests.e2e.support import job, start_worker, wait_state
 from tests.support.producers import drop_pools, point_producer
@@ -187,13 +187,13 @@ def roles(database_url: str) -> Iterator[dict[str, str]]:
              "migration_role": f"pgbroker_test_owner_{n}", "app_role": f"pgbroker_test_app_{n}",
              "producer_role": f"pgbroker_test_producer_{n}",
              "worker_role": f"pgbroker_test_worker_{n}"}
-    _create_database(database_url, names["database"])
+    create_database(database_url, names["database"])
     url = urlunsplit(urlsplit(database_url)._replace(path="/" + names["database"]))
     try:
         run_roles_sql(psql, url, names)
         yield {**names, "url": url, "psql": psql}
     finally:
-        _drop_database(database_url, names["database"])
+        drop_database(database_url, names["database"])
         with psycopg.connect(database_url, autocommit=True) as conn:
             for role in (names["producer_role"], names["worker_role"], names["app_role"],
                          names["migration_role"]):

@@ -14,9 +14,20 @@ import psycopg
 from sqlalchemy.orm import Session
 
 from tests.support.db import rows
-from ticketflow import services
+from tests.support.processes import WorkerProcess, run_worker
+from ticketflow import services, tasks
 
-__all__ = ["held", "confirmed", "jobs_of", "rows", "seats_taken"]
+__all__ = ["FAST_PDF", "start_worker", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
+
+
+#: Fast PDF renders, unless a test wants a slow one.
+FAST_PDF = {tasks.ENV_PDF_SECONDS: "0.05"}
+
+
+def start_worker(broker_url: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    """``celery -A ticketflow worker -Q default,email`` (as the README runs it), ready."""
+    return run_worker("ticketflow", broker_url, "-Q", "default,email",
+                      env={**FAST_PDF, **(env or {})}).wait_ready(60)
 
 
 def jobs_of(pg: psycopg.Connection, task: str) -> list[dict[str, Any]]:
