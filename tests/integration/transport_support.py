@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import kombu
+from kombu.asynchronous import Hub
 import psycopg
 import uuid6
 
@@ -22,8 +23,8 @@ from pgbroker._store import NewJob, Store
 from pgbroker.settings import Settings
 from tests.support.db import counts, db_now, free_port, jobs
 
-__all__ = ["NO_POLL", "OPTIONS", "Collector", "age_consumer", "connect", "counts", "db_now", "drain_until",
-           "free_port", "jobs", "new_job", "publish", "store_for"]
+__all__ = ["NO_POLL", "OPTIONS", "Collector", "LoopConsumer", "age_consumer", "connect", "counts",
+           "db_now", "drain_until", "free_port", "jobs", "new_job", "publish", "store_for"]
 
 #: Transport options of these tests: no sweep from the lease thread, so that only the test's
 #: own ``Sweeper.run_once()`` changes rows behind the consumer's back; a short poll fallback.
@@ -132,3 +133,34 @@ def age_consumer(pg: psycopg.Connection, consumer: uuid.UUID, seconds: float) ->
     """Make ``consumer``'s last heartbeat ``seconds`` old (a frozen or cut-off worker)."""
     pg.execute("UPDATE pgbroker.consumers SET heartbeat_at = now() - make_interval(secs => %s)"
                " WHERE id = %s", (seconds, consumer))
+
+
+class LoopConsumer:
+    """A kombu consumer on a Hub; ``run_until`` turns the loop."""
+
+    def __init__(self, conn: kombu.Connection, queue: str, prefetch: int, ack: bool = True):
+        conn.ensure_connection()
+        self.hub = Hub()
+        conn.transport.register_with_event_loop(conn.connection, self.hub)
+        self.received: list[kombu.Message] = []
+        self.ack = ack
+        self.consumer = kombu.Consumer(conn.channel(), [kombu.Queue(queue)],
+                                       callbacks=[self._on_message], accept=["json"],
+                                       prefetch_count=prefetch)
+        self.consumer.consume()
+        self.loop = self.hub.create_loop()
+
+    def _on_message(self, body: Any, message: kombu.Message) -> None:
+        self.received.append(message)
+        if self.ack:
+            message.ack()
+
+    def run_until(self, predicate: Any, timeout: float = 30.0) -> int:
+        """Turn the loop until ``predicate()``; returns how many turns it took."""
+        deadline = time.monotonic() + timeout
+        turns = 0
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out turning the event loop"
+            next(self.loop)
+            turns += 1
+        return turns
