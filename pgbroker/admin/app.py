@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
 
-import psycopg
 from flask import Flask
 from psycopg_pool import ConnectionPool
 
@@ -30,13 +28,6 @@ from .present import install_filters
 from .state import AdminState
 
 __all__ = ["create_app"]
-
-
-def _configure(conn: psycopg.Connection[Any]) -> None:
-    conn.execute("SET TIME ZONE 'UTC'")  # as every pgbroker connection (pgbroker._db.connect)
-    # Short reads over partial indexes: JIT compiling (its cost model counts rows the indexes
-    # never read) took longer than the queries.
-    conn.execute("SET jit = off")
 
 
 def create_app(database_url: str, schema: str = "pgbroker", credentials: Credentials | None = None,
@@ -74,16 +65,17 @@ def create_app(database_url: str, schema: str = "pgbroker", credentials: Credent
         SESSION_COOKIE_SECURE=secure_cookie,
         MAX_CONTENT_LENGTH=64 * 1024,
     )
+    q = Queries(schema)
     # prepare_threshold None: every statement is planned with its values, so a state or queue
     # given as a parameter still picks its partial index (a generic plan cannot).
     pool = ConnectionPool(conninfo, min_size=1, max_size=pool_size, timeout=10,
                           name="pgbroker-admin", open=True,
                           kwargs={"autocommit": True, "prepare_threshold": None,
                                   **_db.connect_kwargs("pgbroker admin")},
-                          configure=_configure)
+                          configure=lambda conn: q.execute(conn, "admin_connection_setup"))
     reader = MetricsReader(schema, window=window, lease_timeout=lease_timeout)
     state = AdminState(pool, schema, credentials, reader, refresh, None,
-                       throttle or LoginThrottle(), Queries(schema), reader.lease_timeout,
+                       throttle or LoginThrottle(), q, reader.lease_timeout,
                        settings.heartbeat_interval)
     state.registry = prometheus_registry(state.snapshot)
     app.extensions["pgbroker"] = state
