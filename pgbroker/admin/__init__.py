@@ -1,6 +1,7 @@
 """The admin page and Prometheus endpoint: ``pgbroker serve`` (needs ``pgbroker[admin]``).
 
-See :mod:`pgbroker.admin.app` for the pages and :mod:`pgbroker.admin.auth` for who may use them.
+See :mod:`pgbroker.admin.app` for the app (its pages: :mod:`.pages` and :mod:`.jobs`) and
+:mod:`pgbroker.admin.auth` and :mod:`.guards` for who may use them.
 """
 
 from __future__ import annotations
