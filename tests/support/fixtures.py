@@ -55,7 +55,7 @@ def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
 def tf_url(broker_url: str, db_url: str) -> Iterator[str]:
     """``db_url`` with ticketflow's schema migrated; ``ticketflow.app`` publishes there."""
     import ticketflow  # see the module docstring: the current app
-    from ticketflow import db
+    from ticketflow import db  # (and its app: imported with the package, above)
 
     db.migrate(db_url)
     app = ticketflow.app
@@ -75,7 +75,7 @@ def tf_url(broker_url: str, db_url: str) -> Iterator[str]:
 @pytest.fixture
 def session(tf_url: str) -> Iterator[Session]:
     """A ticketflow database session on ``tf_url``."""
-    from ticketflow import db
+    from ticketflow import db  # see the module docstring: the current app
 
     with db.session(tf_url) as s:
         yield s
@@ -84,6 +84,6 @@ def session(tf_url: str) -> Iterator[Session]:
 @pytest.fixture
 def event(session: Session) -> int:
     """An event with 20 seats; returns its id."""
-    from ticketflow import services
+    from ticketflow import services  # see the module docstring: the current app
 
     return services.create_event(session, "Test concert", 20).id
