@@ -388,26 +388,31 @@ class Store:
 
     # -- maintenance (the sweeper) ---------------------------------------------------------------
 
-    def rescue(self, lock_class: int, limit: int = 1000) -> tuple[int, int, int]:
+    # The sweeper's statements: ``now`` is the time the pass acts at (None: the database's).
+
+    def rescue(self, lock_class: int, limit: int = 1000,
+               now: datetime | None = None) -> tuple[int, int, int]:
         """Orphaned running jobs back to pending (or dead); returns (requeued, dead, consumers)."""
         row = self._execute("job_rescue", {
             "lease": self.settings.lease_timeout, "lock_class": lock_class, "limit": limit,
-            "channel": self.settings.channel}, lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
+            "channel": self.settings.channel, "now": now},
+            lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         assert row is not None
         return int(row[0]), int(row[1]), int(row[2])
 
-    def expire(self, limit: int = 1000) -> int:
-        return self._execute("job_expire", {"limit": limit},
+    def expire(self, limit: int = 1000, now: datetime | None = None) -> int:
+        return self._execute("job_expire", {"limit": limit, "now": now},
                              lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
-    def promote_all(self, limit: int = 1000) -> int:
-        row = self._execute("job_promote_all", {"limit": limit, "channel": self.settings.channel},
+    def promote_all(self, limit: int = 1000, now: datetime | None = None) -> int:
+        row = self._execute("job_promote_all", {"limit": limit, "channel": self.settings.channel,
+                                                "now": now},
                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         return int(row[0]) if row else 0
 
-    def prune(self) -> int:
+    def prune(self, now: datetime | None = None) -> int:
         return self._execute("job_prune", {"retention": self.settings.retention,
-                                           "limit": self.settings.prune_batch_size},
+                                           "limit": self.settings.prune_batch_size, "now": now},
                              lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     def rollup(self, minutes: int = 15) -> int:
@@ -487,8 +492,9 @@ class Store:
         return self._execute("broadcast_get", {"id": broadcast_id, "ttl": ttl},
                              binary=True).fetchone()
 
-    def prune_broadcasts(self, ttl: float = BROADCAST_TTL, limit: int = 1000) -> int:
-        return self._execute("broadcast_prune", {"ttl": ttl, "limit": limit},
+    def prune_broadcasts(self, ttl: float = BROADCAST_TTL, limit: int = 1000,
+                         now: datetime | None = None) -> int:
+        return self._execute("broadcast_prune", {"ttl": ttl, "limit": limit, "now": now},
                              lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     def fold_duplicates(self, limit: int = 1000) -> int:
@@ -497,8 +503,8 @@ class Store:
                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         return int(row[0]) if row else 0
 
-    def expire_queues(self, limit: int = 100) -> int:
-        return self._execute("queue_expire", {"limit": limit},
+    def expire_queues(self, limit: int = 100, now: datetime | None = None) -> int:
+        return self._execute("queue_expire", {"limit": limit, "now": now},
                              lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     # -- consumers -------------------------------------------------------------------------------

@@ -3,7 +3,10 @@ per-minute statistics of the admin page's charts, and the folding of the duplica
 counter.
 
 ``Sweeper.run_once()`` does one pass and returns what it changed; it runs inside every consuming
-worker (from its lease thread) and as ``pgbroker sweep``. Several sweepers at once are safe: every
+worker (from its lease thread) and as ``pgbroker sweep``. ``run_once(now=...)`` does the pass as
+if the database's clock read ``now`` (River's maintenance services take their clock the same
+way), so a test builds a state -- a crashed worker's running rows, say -- and runs one pass at
+the time it wants instead of waiting for the lease to run out. Several sweepers at once are safe: every
 statement takes its rows with ``FOR UPDATE SKIP LOCKED`` and changes them only if they are still
 in the state it found them in.
 
@@ -19,6 +22,7 @@ import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TypeVar
 
 import psycopg
@@ -63,27 +67,33 @@ class Sweeper:
         self.store = store
         self.lock_class = lock_class(store.settings.schema)
 
-    def run_once(self, prune_batches: int = 10) -> SweepResult:
+    def run_once(self, prune_batches: int = 10, now: datetime | None = None) -> SweepResult:
         """Do one pass; prune at most ``prune_batches`` batches so a pass stays short.
+
+        ``now`` (an aware datetime) is the time the pass acts at: heartbeats are older than the
+        lease, messages expired, scheduled jobs due and rows past retention as measured from it.
+        None (the default, and what every worker uses) is the database's ``now()``. What the
+        pass writes (``updated_at``) and the per-minute statistics keep the real clock.
 
         Rows another session holds locked are skipped (SKIP LOCKED), and a step that still
         meets a lock gives up after ``MAINTENANCE_LOCK_TIMEOUT`` until the next pass: a lock
         left open in psql must not hold up the lease's heartbeats, which share this thread."""
-        rescued, buried, consumers = self._step("rescue", lambda: self.store.rescue(
-            self.lock_class), (0, 0, 0))
-        expired = self._step("expiry", self.store.expire, 0)
-        promoted = self._step("promotion", self.store.promote_all, 0)
+        store = self.store
+        rescued, buried, consumers = self._step("rescue", lambda: store.rescue(
+            self.lock_class, now=now), (0, 0, 0))
+        expired = self._step("expiry", lambda: store.expire(now=now), 0)
+        promoted = self._step("promotion", lambda: store.promote_all(now=now), 0)
         pruned = 0
         for _ in range(prune_batches):
-            n = self._step("pruning", self.store.prune, 0)
+            n = self._step("pruning", lambda: store.prune(now=now), 0)
             pruned += n
-            if n < self.store.settings.prune_batch_size:
+            if n < store.settings.prune_batch_size:
                 break
-        queues = self._step("queue expiry", self.store.expire_queues, 0)
-        broadcasts = self._step("broadcast pruning", self.store.prune_broadcasts, 0)
+        queues = self._step("queue expiry", lambda: store.expire_queues(now=now), 0)
+        broadcasts = self._step("broadcast pruning", lambda: store.prune_broadcasts(now=now), 0)
         # once a minute, by one sweeper; else it writes nothing
-        statistics = self._step("statistics", self.store.rollup, 0)
-        folded = self._step("duplicate folding", self.store.fold_duplicates, 0)
+        statistics = self._step("statistics", store.rollup, 0)
+        folded = self._step("duplicate folding", store.fold_duplicates, 0)
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
                              broadcasts, statistics, folded)
         if rescued or buried:

@@ -8,65 +8,31 @@ Database layout of a test session (procrastinate's and psycopg's pattern):
 * ``db_url`` — a fresh copy of the template for each test (``CREATE DATABASE ... TEMPLATE``), so a
   test may commit, crash workers or drop tables without affecting any other test.
 
-Workers and beats started through ``tests.helpers`` are killed at the end of the test that started
-them, whether it passed or not (``_stop_celery_processes`` below).
+Workers and beats started through ``tests.support.processes`` are killed at the end of the test
+that started them, whether it passed or not (``_stop_celery_processes`` below).
+
+Each tier has a ``conftest.py`` of its own for its own fixtures (tests/integration, tests/chaos,
+tests/kombu_suite); the fixtures several tiers use are in tests/support/fixtures.py, loaded here
+as a plugin; helpers every tier uses are in the tests/support package.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from pgbroker._localdb import admin_url, resolve_database_url
-from tests import helpers
+from tests.support.databases import create_database, drop_database
+from tests.support import processes
+
+#: The fixtures several tiers share (runs, producer, ticketflow's): no test module imports one.
+pytest_plugins = ("tests.support.fixtures",)
 
 _counter = itertools.count(1)
-
-
-def _drop_database(maintenance_url: str, name: str) -> None:
-    """Terminate the backends of ``name`` and drop it (PostgreSQL 13+ for WITH (FORCE))."""
-    with psycopg.connect(maintenance_url, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-
-
-def _create_database(maintenance_url: str, name: str, template: str | None = None) -> None:
-    """Create ``name`` (from ``template``), retrying while the template is briefly in use."""
-    query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
-    if template is not None:
-        query = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template)
-        )
-    deadline = time.monotonic() + 10
-    with psycopg.connect(maintenance_url, autocommit=True) as conn:
-        while True:
-            if template is not None:
-                # CREATE DATABASE ... TEMPLATE fails while anyone is connected to the template
-                # (a pool left open by the migration, say): disconnect them first.
-                conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE datname = %s AND pid <> pg_backend_pid()",
-                    (template,),
-                )
-            try:
-                conn.execute(query)
-                return
-            except psycopg.errors.ObjectInUse:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
@@ -79,37 +45,37 @@ def database_url() -> str:
 def template_db(database_url: str) -> Iterator[str]:
     """Name of a migrated database, created once per session and dropped at its end."""
     name = f"pgbroker_test_template_{os.getpid()}"
-    _drop_database(database_url, name)  # a leftover from a killed run with the same pid
-    _create_database(database_url, name)
+    drop_database(database_url, name)  # a leftover from a killed run with the same pid
+    create_database(database_url, name)
     try:
         from pgbroker.migrate import migrate  # lazy: conftest must load without the module
 
         migrate(admin_url(database_url, name))
         yield name
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture
 def db_url(database_url: str, template_db: str) -> Iterator[str]:
     """URL (postgresql://) of a fresh, migrated database for this test only."""
     name = f"pgbroker_test_{os.getpid()}_{next(_counter)}"
-    _create_database(database_url, name, template=template_db)
+    create_database(database_url, name, template=template_db)
     try:
         yield admin_url(database_url, name)
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture
 def empty_url(database_url: str) -> Iterator[str]:
     """URL (postgresql://) of a brand-new database with no pgbroker schema at all."""
     name = f"pgbroker_test_empty_{os.getpid()}_{next(_counter)}"
-    _create_database(database_url, name)
+    create_database(database_url, name)
     try:
         yield admin_url(database_url, name)
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture
@@ -129,14 +95,14 @@ def pg(db_url: str) -> Iterator[psycopg.Connection]:
 def _stop_celery_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     """Stop every worker/beat process started during the test, even when the test failed.
 
-    Also points ``tests.helpers`` at this test's ``tmp_path`` for the processes' log files.
+    Also points ``tests.support.processes`` at this test's ``tmp_path`` for the processes' log files.
     """
-    before = set(helpers.live_processes())
-    helpers.log_dir_provider = lambda: request.getfixturevalue("tmp_path") / "celery-logs"
+    before = set(processes.live_processes())
+    processes.log_dir_provider = lambda: request.getfixturevalue("tmp_path") / "celery-logs"
     try:
         yield
     finally:
-        helpers.log_dir_provider = None
-        for proc in helpers.live_processes():
+        processes.log_dir_provider = None
+        for proc in processes.live_processes():
             if proc not in before:
                 proc.stop()

@@ -1,14 +1,18 @@
 """The admin page and Prometheus endpoint: ``pgbroker serve`` (needs ``pgbroker[admin]``).
 
-See :mod:`pgbroker.admin.app` for the pages and :mod:`pgbroker.admin.auth` for who may use them.
+See :mod:`pgbroker.admin.app` for the app (its pages: :mod:`.pages` and :mod:`.jobs`) and
+:mod:`pgbroker.admin.auth` and :mod:`.guards` for who may use them.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import sys
 from typing import Any
+
+import waitress
 
 from ..errors import ConfigurationError
 from .app import create_app
@@ -28,16 +32,12 @@ def serve(database_url: str, schema: str = "pgbroker", *, host: str = "127.0.0.1
     Refuses (:class:`ConfigurationError`) a non-loopback ``host`` without credentials; on a
     loopback address without them it makes a one-time token and prints it on stderr.
     """
-    import waitress
-
     credentials = credentials or Credentials.from_env()
     if not credentials.configured:
         if not is_loopback(host):
             raise ConfigurationError(
                 f"refusing to serve the admin page on {host!r} without credentials: set "
                 f"{ENV_USER} and {ENV_PASSWORD}, or {ENV_TOKEN} (or listen on 127.0.0.1)")
-        import secrets
-
         credentials = Credentials(token=secrets.token_urlsafe(24))
         print(f"pgbroker admin: no credentials configured; log in with this one-time token: "
               f"{credentials.token}", file=sys.stderr, flush=True)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
 
+from .._sql import Queries
 from ..errors import ConfigurationError
 
 __all__ = ["Credentials", "Login", "LoginThrottle", "OPERATOR", "VIEWER", "is_loopback",
@@ -212,27 +212,27 @@ def _key(session_id: str) -> bytes:
     return hashlib.sha256(session_id.encode("utf-8")).digest()
 
 
-def open_session(conn: psycopg.Connection[Any], q: Mapping[str, str], login: Login,
+def open_session(conn: psycopg.Connection[Any], q: Queries, login: Login,
                  address: str | None) -> str:
     """A new session for ``login``; returns its id (for the cookie only)."""
     session_id = secrets.token_urlsafe(32)
-    conn.execute(q["admin_session_insert"], {
+    q.execute(conn, "admin_session_insert", {
         "id": _key(session_id), "actor": login.actor, "role": login.role,
         "csrf": new_csrf_token(), "address": address, "idle": SESSION_IDLE,
         "lifetime": SESSION_LIFETIME})
     return session_id
 
 
-def find_session(conn: psycopg.Connection[Any], q: Mapping[str, str],
+def find_session(conn: psycopg.Connection[Any], q: Queries,
                  session_id: str) -> Session | None:
     """The live session of this id (renewed), or None: unknown, logged out or expired."""
-    row = conn.cursor(row_factory=tuple_row).execute(q["admin_session_get"], {
-        "id": _key(session_id), "idle": SESSION_IDLE, "lifetime": SESSION_LIFETIME}).fetchone()
+    row = q.one(conn, "admin_session_get", {
+        "id": _key(session_id), "idle": SESSION_IDLE, "lifetime": SESSION_LIFETIME})
     return None if row is None else Session(Login(row[0], row[1]), row[2])
 
 
-def close_session(conn: psycopg.Connection[Any], q: Mapping[str, str], session_id: str) -> None:
-    conn.execute(q["admin_session_delete"], {"id": _key(session_id)})
+def close_session(conn: psycopg.Connection[Any], q: Queries, session_id: str) -> None:
+    q.execute(conn, "admin_session_delete", {"id": _key(session_id)})
 
 
 def is_loopback(host: str) -> bool:

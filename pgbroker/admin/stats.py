@@ -18,7 +18,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
+
+from .._sql import Queries
 
 __all__ = ["RANGES", "Charts", "Histogram", "Point", "TaskRow", "Window", "read", "window"]
 
@@ -171,11 +172,11 @@ class Charts:
         return not self.total.finished and all(p.pending is None for p in self.points)
 
 
-def read(conn: psycopg.Connection[Any], q: Mapping[str, str], win: Window,
+def read(conn: psycopg.Connection[Any], q: Queries, win: Window,
          queue: str | None = None, task: str | None = None) -> Charts:
     """Everything the charts of ``win`` show, for one queue/task or all."""
     def run(name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        return conn.cursor(row_factory=tuple_row).execute(q[name], params).fetchall()
+        return q.all(conn, name, params)
 
     (upto, now), = run("stats_upto", {})
     if upto is None or upto < now - STALE:

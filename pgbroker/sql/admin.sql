@@ -348,6 +348,16 @@ FROM {schema}.results WHERE task_id = %(task_id)s;
 -- Sessions (pgbroker.admin.auth): the cookie holds a random id, the row its SHA-256.
 -- ---------------------------------------------------------------------------------------------
 
+-- name: admin_connection_setup
+-- Each pooled connection of the admin page, once: UTC, as every pgbroker connection
+-- (pgbroker._db.connect); and no JIT -- its reads are short, over partial indexes, and JIT
+-- compiling (its cost model counts rows the indexes never read) took longer than the queries.
+SELECT set_config('TimeZone', 'UTC', false), set_config('jit', 'off', false);
+
+-- name: admin_now
+-- The database clock, which every admin page shows its times in.
+SELECT now();
+
 -- name: admin_session_insert
 WITH pruned AS (
     DELETE FROM {schema}.admin_sessions WHERE expires_at < now()

@@ -1,5 +1,8 @@
 -- pgbroker's queries: named blocks, loaded once by pgbroker/_store.py.
 -- {schema} is the quoted schema name; every value is a bound parameter.
+-- The sweeper's statements measure their horizons (lease, expiry, due time, retention) from
+-- %(now)s, the time its pass acts at (Sweeper.run_once(now=...)); NULL is the database's now().
+-- What they write (updated_at) always keeps the real clock.
 
 -- name: job_insert
 -- One message. The NOTIFY goes out in the same transaction, so it is delivered only on commit,
@@ -286,7 +289,7 @@ SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
 -- The sweeper's promotion, for every queue (plain kombu consumers have no timers).
 WITH due AS MATERIALIZED (
     SELECT id FROM {schema}.jobs
-    WHERE state = 'scheduled' AND run_at <= now()
+    WHERE state = 'scheduled' AND run_at <= coalesce(%(now)s::timestamptz, now())
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), promoted AS (
@@ -310,7 +313,8 @@ WHERE state = 'scheduled' AND queue = ANY(%(queues)s);
 -- stay visible for the retention window instead of vanishing.
 WITH gone AS MATERIALIZED (
     SELECT id FROM {schema}.jobs
-    WHERE state IN ('pending', 'scheduled') AND expires_at IS NOT NULL AND expires_at <= now()
+    WHERE state IN ('pending', 'scheduled') AND expires_at IS NOT NULL
+      AND expires_at <= coalesce(%(now)s::timestamptz, now())
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
@@ -328,7 +332,7 @@ WITH gone AS MATERIALIZED (
     -- declared gone meanwhile -- its heartbeat waits for that lock, and is the first to get it
     -- when it goes (the sweeper does not queue for it).
     SELECT c.id FROM {schema}.consumers AS c
-    WHERE c.heartbeat_at < now() - make_interval(secs => %(lease)s)
+    WHERE c.heartbeat_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(lease)s)
        OR (c.lock_key IS NOT NULL AND NOT EXISTS (
               SELECT 1 FROM pg_locks AS l
               WHERE l.locktype = 'advisory' AND l.granted
@@ -380,7 +384,8 @@ SELECT (SELECT count(*) FROM rescued WHERE state = 'pending'),
 DELETE FROM {schema}.jobs
 WHERE id IN (SELECT id FROM {schema}.jobs
              WHERE state IN ('completed', 'cancelled', 'expired')
-               AND updated_at < now() - make_interval(secs => %(retention)s)
+               AND updated_at < coalesce(%(now)s::timestamptz, now())
+                                - make_interval(secs => %(retention)s)
              ORDER BY updated_at
              LIMIT %(limit)s
              FOR UPDATE SKIP LOCKED);

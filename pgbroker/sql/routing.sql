@@ -123,9 +123,12 @@ FROM {schema}.bindings AS b JOIN {schema}.queues AS q ON q.name = b.queue
 WHERE b.exchange = %(exchange)s;
 
 -- name: broadcast_prune
+-- Broadcast rows older than %(ttl)s seconds (measured from %(now)s, the sweeper's clock, as in
+-- job_rescue; NULL is now()).
 DELETE FROM {schema}.broadcasts
 WHERE id IN (SELECT id FROM {schema}.broadcasts
-             WHERE created_at < now() - make_interval(secs => %(ttl)s)
+             WHERE created_at < coalesce(%(now)s::timestamptz, now())
+                                - make_interval(secs => %(ttl)s)
              ORDER BY created_at LIMIT %(limit)s
              FOR UPDATE SKIP LOCKED);
 
@@ -134,11 +137,13 @@ WHERE id IN (SELECT id FROM {schema}.broadcasts
 -- consumed or declared for that long are deleted, with their bindings (cascade) and the
 -- messages nobody will read. Dead letters stay. A queue row another session holds locked is
 -- skipped (SKIP LOCKED); a locked message or binding of one makes the statement give up after
--- the maintenance lock_timeout (pgbroker._store), until the next sweep.
+-- the maintenance lock_timeout (pgbroker._store), until the next sweep. %(now)s: the sweeper's
+-- clock (NULL is now()).
 WITH idle AS MATERIALIZED (
     SELECT q.name FROM {schema}.queues AS q
     WHERE q.arguments ? 'x-expires'
-      AND q.last_used_at < now() - make_interval(secs => (q.arguments->>'x-expires')::float8 / 1000)
+      AND q.last_used_at < coalesce(%(now)s::timestamptz, now())
+                           - make_interval(secs => (q.arguments->>'x-expires')::float8 / 1000)
       AND NOT EXISTS (SELECT 1 FROM {schema}.consumers AS c WHERE q.name = ANY (c.queues))
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

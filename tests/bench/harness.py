@@ -48,7 +48,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from tests.bench.benchapp import TASK_NAME, make_app, read_latencies, read_records
-from tests.helpers import REPO_ROOT, WorkerProcess, wait_for
+from tests.support.processes import REPO_ROOT, WorkerProcess, wait_for
 
 DEFAULT_SERVER_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"

@@ -23,7 +23,7 @@ from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
 from pgbroker.settings import Settings
 from tests.integration.admin_support import fill_history
-from tests.integration.test_admin import csrf_of
+from tests.integration.admin_support import csrf_of
 
 pytestmark = pytest.mark.bench
 

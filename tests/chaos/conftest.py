@@ -1,6 +1,29 @@
-"""Fixtures of every chaos test module: the end-to-end producer and ``public.runs`` (from
-tests/e2e/support.py), and a PostgreSQL server of the module's own for the scenarios that stop,
-crash or cut off the server (tests/chaos/pgserver_fixture.py)."""
+"""Fixtures of every chaos test module: a PostgreSQL server of the module's own for the
+scenarios that stop, crash or cut off the server (tests/chaos/pgserver_fixture.py). The
+end-to-end producer and ``public.runs`` come from tests/support/fixtures.py, as for every tier.
+"""
 
-from tests.chaos.pgserver_fixture import own_db, own_server  # noqa: F401 - fixtures
-from tests.e2e.support import producer, runs  # noqa: F401 - fixtures
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.chaos.pgserver_fixture import ThrowawayServer, throwaway_server
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[ThrowawayServer]:
+    """A PostgreSQL server of this test module's own (see the module docstring)."""
+    with throwaway_server() as server:
+        yield server
+
+
+@pytest.fixture
+def own_db(own_server: ThrowawayServer) -> Iterator[str]:
+    """URL (postgresql://) of a fresh, migrated database on :func:`own_server`."""
+    url = own_server.create_database()
+    try:
+        yield url
+    finally:
+        own_server.drop_database(url)

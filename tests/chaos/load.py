@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 
 from tests.chaos.app import sturdy_touch
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 
 __all__ = ["CHAOS_TASKS", "PUBLISH_RETRY", "TASK", "LoadProducer", "Tally", "tally",
            "wait_all_completed"]

@@ -11,9 +11,7 @@ PostgreSQL refuses to run as root: as root, every command runs as the ``postgres
 ``pg_ctl`` on PATH, or the ``pgserver`` package; without any, the tests that need a server of
 their own are skipped, saying why.
 
-Usage::
-
-    from tests.chaos.pgserver_fixture import own_server, own_db  # noqa: F401 - fixtures
+Its fixtures, ``own_server`` (one per test module) and ``own_db``, are in tests/chaos/conftest.py.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,8 +34,9 @@ import pytest
 from psycopg import sql
 
 from pgbroker.migrate import migrate
+from tests.support.db import free_port
 
-__all__ = ["ThrowawayServer", "find_bindir", "own_db", "own_server", "throwaway_server"]
+__all__ = ["ThrowawayServer", "find_bindir", "throwaway_server"]
 
 _names = itertools.count(1)
 
@@ -61,12 +59,6 @@ def find_bindir() -> Path | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ThrowawayServer:
     """One PostgreSQL cluster in a temporary directory, on ``127.0.0.1:<port>``."""
 
@@ -78,7 +70,7 @@ class ThrowawayServer:
         self.root = Path(tempfile.mkdtemp(prefix="pgbroker-chaos-pg-"))
         self.datadir = self.root / "data"
         self.log = self.root / "server.log"
-        self.port = _free_port()
+        self.port = free_port()
         self._user: str | None = None
         if os.geteuid() == 0:  # postgres refuses root: run it as the postgres system user
             self._user = "postgres"
@@ -177,20 +169,3 @@ def throwaway_server(password: str | None = None) -> Iterator[ThrowawayServer]:
         yield server
     finally:
         server.destroy()
-
-
-@pytest.fixture(scope="module")
-def own_server() -> Iterator[ThrowawayServer]:
-    """A PostgreSQL server of this test module's own (see the module docstring)."""
-    with throwaway_server() as server:
-        yield server
-
-
-@pytest.fixture
-def own_db(own_server: ThrowawayServer) -> Iterator[str]:
-    """URL (postgresql://) of a fresh, migrated database on :func:`own_server`."""
-    url = own_server.create_database()
-    try:
-        yield url
-    finally:
-        own_server.drop_database(url)

@@ -35,7 +35,7 @@ from tests.chaos.app import eta_seen, hold
 from tests.chaos.load import CHAOS_TASKS
 from tests.e2e import app as e2e
 from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_state
-from tests.helpers import WorkerProcess, run_worker, wait_for
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 _LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
                       + glob.glob("/usr/local/lib/faketime/libfaketime.so.1"))

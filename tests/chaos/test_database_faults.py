@@ -28,21 +28,13 @@ from tests.chaos.load import CHAOS_TASKS, LoadProducer, tally, wait_all_complete
 from tests.chaos.pgserver_fixture import ThrowawayServer
 from tests.e2e import app as e2e
 from tests.e2e.beat_app import TICK
-from tests.e2e.support import (
-    _drop_pools,
-    key_runs,
-    point_producer,
-    start_worker,
-    wait_state,
-)
-from tests.helpers import run_beat, wait_for
+from tests.e2e.support import key_runs, start_worker, wait_state
+from tests.support.producers import drop_pools, point_producer
+from tests.support.db import db_now
+from tests.support.processes import run_beat, wait_for
 
 #: The application names of a consuming worker's three connections (pgbroker._db.connect).
 WORKER_CONNECTIONS = {"pgbroker", "pgbroker listen", "pgbroker lease"}
-
-
-def _db_now(pg: psycopg.Connection) -> datetime:
-    return pg.execute("SELECT clock_timestamp()").fetchone()[0]
 
 
 @pytest.fixture
@@ -55,7 +47,7 @@ def own_broker(own_db: str) -> Iterator[str]:
     try:
         yield "pgbroker+" + own_db
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
 
 
 def _occurrences(pg: psycopg.Connection) -> list[str]:
@@ -80,11 +72,11 @@ def test_postgres_restart_mid_load_loses_nothing(own_server: ThrowawayServer, ow
         wait_for(lambda: pg.execute("SELECT count(*) FROM public.runs").fetchone()[0] >= 100,
                  60, interval=0.1, message="100 tasks run before the restart")
         wait_for(lambda: _occurrences(pg), 60, interval=0.2, message="beat's first occurrence")
-        before = _db_now(pg)
+        before = db_now(pg)
     downtime = own_server.restart(mode)
 
     with psycopg.connect(own_db, autocommit=True) as pg:
-        back = _db_now(pg)
+        back = db_now(pg)
         load.join(120)
         result = wait_all_completed(pg, load.keys, 120)
         # the first task that ran after the server came back, by the database clock
@@ -153,12 +145,12 @@ def test_terminated_backends_worker_reconnects_and_listens_again(
     mine = _backends(runs, os.getpid())  # the producer's connection
     assert {name for name, _ in mine.values()} == {"pgbroker"}
 
-    killed_at = _db_now(runs)
+    killed_at = db_now(runs)
     runs.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid",
                  (list(old) + list(mine),))
     wait_for(lambda: _listening(b := _backends(runs, worker.pid)) and not set(b) & set(old),
              60, interval=0.1, message="the worker to reconnect and LISTEN again (new backends)")
-    back_at = _db_now(runs)
+    back_at = db_now(runs)
 
     after = e2e.touch.delay("after")  # the producer reconnects through Celery's publish retry
     row = wait_state(runs, after.id, "completed", timeout=60)
@@ -257,7 +249,7 @@ def test_held_xmin_degrades_throughput_but_the_queue_keeps_moving(
         assert runs.execute("SELECT backend_xmin IS NOT NULL FROM pg_stat_activity"
                             " WHERE pid = %s", (holder.info.backend_pid,)).fetchone()[0]
         time.sleep(hold)
-        held_to = _db_now(runs)
+        held_to = db_now(runs)
         dead_during = _dead_tuples(runs)
     finally:
         holder.close()

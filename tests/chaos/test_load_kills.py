@@ -20,7 +20,7 @@ import pytest
 
 from tests.chaos.load import CHAOS_TASKS, LoadProducer, wait_all_completed
 from tests.e2e.support import start_worker
-from tests.helpers import WorkerProcess
+from tests.support.processes import WorkerProcess
 
 TASKS = 5000
 CONCURRENCY = 4

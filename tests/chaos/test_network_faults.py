@@ -39,20 +39,15 @@ from celery import Celery
 
 from pgbroker._store import Store
 from pgbroker.settings import Settings
-from tests import helpers
 from tests.chaos.load import tally
 from tests.chaos.pgserver_fixture import ThrowawayServer
 from tests.chaos.tcp_proxy import TcpProxy
 from tests.e2e import app as e2e
-from tests.e2e.support import (
-    SHORT_LEASE,
-    _drop_pools,
-    key_runs,
-    point_producer,
-    start_worker,
-    wait_state,
-)
-from tests.helpers import REPO_ROOT, WorkerProcess, wait_for
+from tests.e2e.support import SHORT_LEASE, key_runs, start_worker, wait_state
+from tests.support.producers import drop_pools, point_producer
+from tests.support import processes as helpers
+from tests.support.db import db_now
+from tests.support.processes import REPO_ROOT, WorkerProcess, wait_for
 
 NAP = "tests.e2e.app.nap"
 
@@ -67,10 +62,6 @@ def _through(db_url: str, port: int, query: str = "") -> str:
     user = parts.netloc.rpartition("@")[0]
     netloc = f"{user}@127.0.0.1:{port}" if user else f"127.0.0.1:{port}"
     return "pgbroker+" + urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def _db_now(pg: psycopg.Connection) -> datetime:
-    return pg.execute("SELECT clock_timestamp()").fetchone()[0]
 
 
 def _publish_naps(prefix: str, count: int, seconds: float) -> list[str]:
@@ -162,7 +153,7 @@ def test_hung_connection_jobs_rescued_and_worker_carries_on(
         wait_for(lambda: _running_in(runs, keys, stuck), 30, message="both naps in the worker")
         _take_over(runs, helper)
 
-        paused_at = _db_now(runs)
+        paused_at = db_now(runs)
         proxy.pause()
         rerun_at = wait_for(lambda: _rerun_by(runs, keys, helper), 60, interval=0.1,
                             message="the stuck worker's jobs to run again in the other one")
@@ -228,7 +219,7 @@ class NamespacedProxy:
         env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options or {})}
         argv = self.enter() + [sys.executable, "-m", "celery", "-A", "tests.e2e.app", "worker",
                                "-P", "prefork", "--loglevel=INFO", "-n", f"{name}@%h", *args]
-        # tests.helpers builds the environment and log path of every worker; reused as is
+        # tests.support.processes builds the environment and log path of every worker; reused as is
         return WorkerProcess(argv, helpers._env(broker_url, env),
                              helpers._log_path(None, name), name).wait_ready(60)
 
@@ -251,7 +242,7 @@ def namespaced(own_server: ThrowawayServer, own_db: str) -> Iterator[tuple[Names
         yield proxy, own_db
     finally:
         proxy.close()
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
 
 
 @needs_netns
@@ -270,7 +261,7 @@ def test_partition_detected_jobs_rescued_worker_reconnects(
         wait_for(lambda: _running_in(pg, keys, cut_off), 30, message="both naps in the worker")
         _take_over(pg, helper)
 
-        cut_at, cut_wall = _db_now(pg), time.time()
+        cut_at, cut_wall = db_now(pg), time.time()
         ns.link("down")
         try:
             rerun_at = wait_for(lambda: _rerun_by(pg, keys, helper), 60, interval=0.1,
@@ -281,7 +272,7 @@ def test_partition_detected_jobs_rescued_worker_reconnects(
             time.sleep(max(0.0, cut_wall + PARTITION - time.time()))
         finally:
             ns.link("up")
-        healed_at = _db_now(pg)
+        healed_at = db_now(pg)
         for key in keys:
             wait_state(pg, key, "completed", timeout=60)
         helper.stop()

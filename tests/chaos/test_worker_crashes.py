@@ -12,28 +12,26 @@ from __future__ import annotations
 import os
 import re
 import signal
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import psycopg
-import pytest
 from celery import Celery
 
 from pgbroker.settings import Settings
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401 - fixtures
+from tests.e2e.support import (
     SHORT_LEASE,
     job,
     jobs_by_state,
     key_runs,
     owner_of,
-    point_producer,
-    producer,
-    runs,
     start_worker,
     wait_done,
     wait_state,
 )
-from tests.helpers import wait_for
+from tests.support.producers import point_producer
+from tests.support.db import db_now
+from tests.support.processes import wait_for
 
 
 def _all_completed(pg: psycopg.Connection, count: int) -> None:
@@ -53,10 +51,6 @@ def _publish_naps(prefix: str, count: int, seconds: float) -> list[str]:
 def _started(pg: psycopg.Connection) -> int:
     """How many task runs have started so far."""
     return pg.execute("SELECT count(*) FROM public.runs").fetchone()[0]
-
-
-def _db_now(pg: psycopg.Connection) -> datetime:
-    return pg.execute("SELECT clock_timestamp()").fetchone()[0]
 
 
 def test_sigkilled_pool_child_task_runs_again_and_completes(
@@ -100,11 +94,11 @@ def test_sigkilled_worker_second_worker_completes_everything(
         (doomed.pid,)).fetchone()[0]
     doomed_pids = {doomed.pid, *doomed.child_pids()}
     doomed.kill_group(signal.SIGKILL)
-    killed_at = _db_now(runs)
+    killed_at = db_now(runs)
     doomed.wait(10)
 
     wait_done(runs, keys, 90)
-    finished_at = _db_now(runs)
+    finished_at = db_now(runs)
     _all_completed(runs, 200)
     assert runs.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 200  # no copies
 

@@ -18,7 +18,7 @@ import kombu
 import pytest
 from kombu.exceptions import ChannelError
 
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 from tests.integration.transport_support import (
     NO_POLL,
     OPTIONS,

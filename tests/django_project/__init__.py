@@ -2,5 +2,5 @@
 
 The worker runs ``celery -A tests.django_project.celery worker`` with
 ``DJANGO_SETTINGS_MODULE=tests.django_project.settings``; its database is the test's
-(``PGBROKER_DATABASE_URL``, set by ``tests.helpers.run_worker``).
+(``PGBROKER_DATABASE_URL``, set by ``tests.support.processes.run_worker``).
 """

@@ -18,9 +18,10 @@ import psycopg
 from celery import Celery
 from celery.utils.nodenames import gethostname
 
-from tests import helpers
-from tests.e2e.support import _drop_pools, start_worker
-from tests.helpers import REPO_ROOT, CeleryProcess, WorkerProcess, wait_for
+from tests.support import processes as helpers
+from tests.e2e.support import start_worker
+from tests.support.producers import drop_pools
+from tests.support.processes import REPO_ROOT, CeleryProcess, WorkerProcess, wait_for
 
 __all__ = ["REPLY_QUEUES", "REPLY_TIMEOUT", "all_replies", "celery_cli", "cli_json",
            "client_app", "leftovers", "node", "start_celery", "start_workers", "timed_ping"]
@@ -34,7 +35,7 @@ REPLY_QUEUES = "%.reply.celery.pidbox"
 
 
 def node(worker: WorkerProcess) -> str:
-    """The Celery node name of a worker started by ``tests.helpers.run_worker`` (``-n name@%h``)."""
+    """The Celery node name of a worker started by ``tests.support.processes.run_worker`` (``-n name@%h``)."""
     return f"{worker.name}@{gethostname()}"
 
 
@@ -90,7 +91,7 @@ def client_app(broker_url: str, **conf: Any) -> Iterator[Celery]:
     try:
         yield app
     finally:
-        _drop_pools(app)  # kombu's global producer pools too: their leases must end now
+        drop_pools(app)  # kombu's global producer pools too: their leases must end now
         app.close()
 
 

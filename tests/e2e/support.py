@@ -1,28 +1,22 @@
-"""Fixtures and SQL look-ups shared by the end-to-end and chaos tests (real ``celery worker``s).
+"""Workers and SQL look-ups shared by the end-to-end and chaos tests (real ``celery worker``s).
 
-Both test modules import the fixtures from here (``from tests.e2e.support import ...``), so the
-chaos tests in ``tests/chaos`` use the same producer set-up as ``tests/e2e``.
-
-The producer is ``tests.e2e.app.app`` itself, pointed at the test's database: its connection pool
-is dropped before and after each test, so no connection to an earlier test's (dropped) database
-is ever reused. Every figure a test reads (run times, latencies) comes from the database clock.
+Their fixtures (``runs``, ``producer``: ``tests.e2e.app.app`` pointed at the test's database)
+are in :mod:`tests.support.fixtures`, loaded for every tier. Every figure a test reads (run
+times, latencies) comes from the database clock.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-import pytest
-from celery import Celery
-from kombu import pools
 from psycopg.rows import dict_row
 
-from tests.e2e import app as e2e
-from tests.helpers import WorkerProcess, run_worker, wait_for
+from tests.support.db import counts as jobs_by_state
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 __all__ = [
     "job",
@@ -30,9 +24,6 @@ __all__ = [
     "key_runs",
     "owner_of",
     "percentile",
-    "point_producer",
-    "producer",
-    "runs",
     "start_worker",
     "wait_done",
     "wait_state",
@@ -40,43 +31,6 @@ __all__ = [
 
 #: Transport options that make leases expire within seconds (heartbeat 1 s, sweep every second).
 SHORT_LEASE = {"lease_timeout": 3, "heartbeat_interval": 1, "sweep_interval": 1}
-
-
-def point_producer(app: Celery, broker_url: str, options: Mapping[str, Any] | None = None) -> None:
-    """Make ``app`` publish to ``broker_url`` with these transport options, from now on."""
-    _drop_pools(app)
-    app.conf.broker_url = broker_url
-    app.conf.broker_transport_options = dict(options or {})
-
-
-def _drop_pools(app: Celery) -> None:
-    if app._pool is not None:
-        app._pool.force_close_all()
-    app._pool = None
-    app.amqp._producer_pool = None
-    pools.reset()  # kombu's global producer pools are keyed by connection: forget them too
-
-
-@pytest.fixture
-def runs(pg: psycopg.Connection) -> psycopg.Connection:
-    """The test database with ``public.runs`` (one row per task run) created; returns ``pg``."""
-    pg.execute(e2e.RUNS_DDL)
-    return pg
-
-
-@pytest.fixture
-def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
-    """``tests.e2e.app.app`` publishing into this test's database (default transport options)."""
-    point_producer(e2e.app, broker_url)
-    # Connect now, so a test's first publish is not slowed by connecting (and checking the
-    # schema): countdown tests compare the publish time with the row's created_at.
-    with e2e.app.producer_or_acquire() as warm:
-        warm.connection.ensure_connection(max_retries=3)
-        warm.channel  # noqa: B018 - opens the channel (the transport's store connection)
-    try:
-        yield e2e.app
-    finally:
-        _drop_pools(e2e.app)
 
 
 def start_worker(broker_url: str, *args: str, options: Mapping[str, Any] | None = None,
@@ -109,11 +63,6 @@ def wait_state(pg: psycopg.Connection, task_id: str, state: str,
     return wait_for(lambda: (row := job(pg, task_id))["state"] == state and row, timeout,
                     interval=0.05, message=lambda: f"job {task_id} to be {state} "
                     f"(it is {job(pg, task_id)['state']})")
-
-
-def jobs_by_state(pg: psycopg.Connection) -> dict[str, int]:
-    """``{state: count}`` over every job row."""
-    return dict(pg.execute("SELECT state, count(*) FROM pgbroker.jobs GROUP BY state").fetchall())
 
 
 def wait_done(pg: psycopg.Connection, keys: list[str], timeout: float) -> None:

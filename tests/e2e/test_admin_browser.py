@@ -25,17 +25,10 @@ import pytest
 
 from pgbroker.beat import Schedules
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401, F811 - fixtures
-    job,
-    key_runs,
-    producer,
-    runs,
-    start_worker,
-)
-from tests.helpers import REPO_ROOT, run_beat, wait_for
+from tests.e2e.support import job, key_runs, start_worker
+from tests.support.processes import REPO_ROOT, pgbroker_process, run_beat, wait_for
 from tests.integration.admin_support import fill_depth, fill_history
-from tests.integration.test_cli import pgbroker_process
-from tests.integration.test_metrics import LOST, add_job
+from tests.support.db import LOST, add_job
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

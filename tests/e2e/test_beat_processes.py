@@ -19,8 +19,8 @@ import pytest
 
 from pgbroker.beat import Schedules
 from tests.e2e.beat_app import TICK
-from tests.e2e.support import runs  # noqa: F401 - fixture
-from tests.helpers import BeatProcess, run_beat, run_worker, wait_for
+from tests.support.db import db_now
+from tests.support.processes import BeatProcess, run_beat, run_worker, wait_for
 
 SECOND = timedelta(seconds=1)
 
@@ -41,10 +41,6 @@ def figures(found: list[datetime]) -> tuple[int, int, timedelta]:
 
 def sent(beat: BeatProcess) -> int:
     return beat.log_path.read_text(errors="replace").count("Sending due task tick")
-
-
-def db_now(pg: psycopg.Connection) -> datetime:
-    return pg.execute("SELECT clock_timestamp()").fetchone()[0]
 
 
 def test_three_beats_fire_each_occurrence_once(broker_url: str, pg: psycopg.Connection) -> None:

@@ -25,8 +25,8 @@ from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
 from tests.e2e import app as e2e
 from tests.e2e.control_support import node, start_celery, start_workers
-from tests.e2e.support import key_runs, producer, runs  # noqa: F401 - fixtures
-from tests.helpers import wait_for
+from tests.e2e.support import key_runs
+from tests.support.processes import wait_for
 from tests.integration.transport_support import free_port
 
 TASK_EVENTS = ("task-received", "task-started", "task-succeeded")

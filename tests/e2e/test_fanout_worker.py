@@ -13,8 +13,8 @@ from celery import Celery
 
 from tests.e2e import app as e2e
 from tests.e2e.fanout_app import FANOUT
-from tests.e2e.support import key_runs, producer, runs  # noqa: F401 - fixtures
-from tests.helpers import run_worker, wait_for
+from tests.e2e.support import key_runs
+from tests.support.processes import run_worker, wait_for
 
 
 def test_a_fanout_message_waits_in_every_bound_queue_and_broadcasts_reach_every_worker(

@@ -21,17 +21,8 @@ from celery import Celery
 
 from tests.e2e import app as e2e
 from tests.e2e import hostile_app as h
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    SHORT_LEASE,
-    job,
-    key_runs,
-    producer,
-    runs,
-    start_worker,
-    wait_done,
-    wait_state,
-)
-from tests.helpers import wait_for
+from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_done, wait_state
+from tests.support.processes import wait_for
 
 
 @contextlib.contextmanager

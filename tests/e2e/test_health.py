@@ -19,10 +19,9 @@ import pytest
 from pgbroker.cli import main
 from tests.e2e.control_support import node
 from tests.e2e.support import start_worker
-from tests.e2e.test_ticketflow import start_worker as start_ticketflow_worker
-from tests.helpers import run_beat, wait_for
-from tests.integration.test_metrics import add_job
-from tests.integration.ticketflow_support import tf_url  # noqa: F401 - fixture
+from tests.integration.ticketflow_support import start_worker as start_ticketflow_worker
+from tests.support.processes import run_beat, wait_for
+from tests.support.db import add_job
 from ticketflow.schedule import ENV_EXPIRE_INTERVAL
 
 Health = Callable[..., tuple[int, dict[str, Any]]]

@@ -28,15 +28,8 @@ from psycopg.rows import dict_row
 from pgbroker._text import MAX_NESTING, unescape
 from tests.e2e import app as e2e
 from tests.e2e import hostile_app as h
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    job,
-    key_runs,
-    producer,
-    runs,
-    start_worker,
-    wait_state,
-)
-from tests.helpers import WorkerProcess, wait_for
+from tests.e2e.support import key_runs, start_worker, wait_state
+from tests.support.processes import WorkerProcess, wait_for
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import psycopg
 
 from tests.e2e.control_support import REPLY_TIMEOUT, celery_cli
 from tests.e2e.support import start_worker
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 
 AUTOVACUUM = "autovacuum is off"
 

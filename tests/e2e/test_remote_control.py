@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 from celery import Celery
 
 from pgbroker._store import Store
@@ -36,15 +35,8 @@ from tests.e2e.control_support import (
     start_workers,
     timed_ping,
 )
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    job,
-    key_runs,
-    owner_of,
-    producer,
-    runs,
-    wait_state,
-)
-from tests.helpers import wait_for
+from tests.e2e.support import job, key_runs, owner_of, wait_state
+from tests.support.processes import wait_for
 
 
 def test_inspect_answers_from_two_workers_with_tasks_running(

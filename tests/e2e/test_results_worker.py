@@ -15,7 +15,7 @@ from celery import Celery, chord, group
 
 from tests.e2e import app as e2e
 from tests.e2e import results_app
-from tests.helpers import WorkerProcess, run_worker, wait_for
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 NAME = "tests.e2e.results_app."
 
@@ -72,7 +72,7 @@ def test_result_extended_fields_are_stored(
         "SELECT name, args, kwargs, worker, retries, queue, date_done IS NOT NULL "
         "FROM pgbroker.results WHERE task_id = %s", (res.id,)).fetchone()
     assert row == (NAME + "add", [3, 4], {}, row[3], 0, "celery", True)
-    assert row[3].startswith("w")  # the worker's node name (tests.helpers: w<pid>-...@host)
+    assert row[3].startswith("w")  # the worker's node name (tests.support.processes: w<pid>-...@host)
     # and Celery reads them back
     assert (res.name, res.args, res.kwargs, res.queue) == (NAME + "add", [3, 4], {}, "celery")
 

@@ -17,16 +17,8 @@ from celery import Celery
 
 from tests.e2e import app as e2e
 from tests.e2e.control_support import REPLY_TIMEOUT, celery_cli
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    SHORT_LEASE,
-    job,
-    key_runs,
-    producer,
-    runs,
-    start_worker,
-    wait_state,
-)
-from tests.helpers import wait_for
+from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_state
+from tests.support.processes import wait_for
 
 
 def revoke_audits(pg: psycopg.Connection) -> int:

@@ -23,30 +23,18 @@ import pytest
 from sqlalchemy.orm import Session
 
 from pgbroker._localdb import admin_url
-from tests.conftest import _drop_database
-from tests.helpers import REPO_ROOT, WorkerProcess, run_beat, run_worker, wait_for
-from tests.integration.ticketflow_support import (  # noqa: F401
+from tests.support.databases import drop_database
+from tests.support.processes import REPO_ROOT, run_beat, wait_for
+from tests.integration.ticketflow_support import (
     confirmed,
-    event,
     held,
     jobs_of,
     rows,
     seats_taken,
-    session,
-    tf_url,
+    start_worker,
 )
 from ticketflow import services, tasks
 from ticketflow.schedule import ENV_EXPIRE_INTERVAL
-
-#: Fast PDF renders, unless a test wants a slow one.
-FAST_PDF = {tasks.ENV_PDF_SECONDS: "0.05"}
-
-
-def start_worker(broker_url: str, env: dict[str, str] | None = None) -> WorkerProcess:
-    """``celery -A ticketflow worker -Q default,email`` (as the README runs it), ready."""
-    return run_worker("ticketflow", broker_url, "-Q", "default,email",
-                      env={**FAST_PDF, **(env or {})}).wait_ready(60)
-
 
 def states(pg: psycopg.Connection, table: str) -> dict[int, str]:
     return {r["id"]: r["state"] for r in rows(pg, f"SELECT id, state FROM ticketflow.{table}")}
@@ -217,7 +205,7 @@ def demo_db(database_url: str) -> Iterator[str]:
     try:
         yield name
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 def databases(server_url: str) -> set[str]:

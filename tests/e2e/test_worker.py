@@ -15,17 +15,8 @@ import psycopg
 from celery import Celery
 
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    job,
-    jobs_by_state,
-    key_runs,
-    percentile,
-    producer,
-    runs,
-    start_worker,
-    wait_state,
-)
-from tests.helpers import wait_for
+from tests.e2e.support import job, jobs_by_state, key_runs, percentile, start_worker, wait_state
+from tests.support.processes import wait_for
 
 
 def test_thousand_tasks_each_run_exactly_once(producer: Celery, runs: psycopg.Connection,

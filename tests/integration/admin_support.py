@@ -1,10 +1,34 @@
-"""History for the admin page's tests, screenshots and benchmark: finished jobs made with
-``generate_series``, as the transport leaves them (a UUIDv7 id of their creation time, the claim's
-time in ``locked_at``, Celery's ``argsrepr`` header), spread over a span of time ending now."""
+"""What the admin page's tests share: its test logins (:data:`CREDS`), reading a page's CSRF
+token, and history -- finished jobs made with ``generate_series``, as the transport leaves them
+(a UUIDv7 id of their creation time, the claim's time in ``locked_at``, Celery's ``argsrepr``
+header), spread over a span of time ending now -- for the tests, screenshots and benchmark.
+
+The ``app`` and ``client`` fixtures are in tests/integration/conftest.py.
+"""
 
 from __future__ import annotations
 
+import re
+
 import psycopg
+from flask.testing import FlaskClient
+
+from pgbroker.admin.auth import Credentials
+
+CREDS = Credentials(user="alice", password="correct horse", token="s3cret-token-0123",
+                    viewer_user="victor", viewer_password="look but don't touch",
+                    viewer_token="viewer-token-4567")
+
+
+def csrf_of(html: str) -> str:
+    match = re.search(r'name="csrf_token" value="([^"]+)"', html)
+    assert match, "no CSRF token in the page"
+    return match[1]
+
+
+def csrf(client: FlaskClient) -> str:
+    return csrf_of(client.get("/").text)
+
 
 _HISTORY = """
 INSERT INTO pgbroker.jobs (id, queue, task, task_id, retries, body, content_type, headers,

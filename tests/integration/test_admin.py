@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import re
 import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -18,44 +17,12 @@ from flask.testing import FlaskClient
 from psycopg.types.json import Jsonb
 
 from pgbroker.admin import create_app
-from pgbroker.admin.auth import OPERATOR, Credentials, Login, is_loopback
-from pgbroker.errors import ConfigurationError, SchemaError
-from tests.integration.test_metrics import LOST, add_job
+from pgbroker.admin.auth import Credentials
+from pgbroker.errors import SchemaError
+from tests.integration.admin_support import CREDS, csrf, csrf_of
+from tests.support.db import LOST, add_job
 
-CREDS = Credentials(user="alice", password="correct horse", token="s3cret-token-0123",
-                    viewer_user="victor", viewer_password="look but don't touch",
-                    viewer_token="viewer-token-4567")
 XSS = "<script>alert('pwned')</script>"
-
-
-@pytest.fixture
-def app(db_url: str, pg: psycopg.Connection) -> Iterator[Flask]:
-    pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q1')")
-    app = create_app(db_url, credentials=CREDS, refresh=1)
-    app.config["TESTING"] = True
-    yield app
-    app.extensions["pgbroker"].close()
-
-
-def csrf_of(html: str) -> str:
-    match = re.search(r'name="csrf_token" value="([^"]+)"', html)
-    assert match, "no CSRF token in the page"
-    return match[1]
-
-
-@pytest.fixture
-def client(app: Flask) -> FlaskClient:
-    """A client logged in as alice."""
-    client = app.test_client()
-    token = csrf_of(client.get("/login").text)
-    response = client.post("/login", data={"user": "alice", "password": "correct horse",
-                                           "csrf_token": token})
-    assert response.status_code == 303
-    return client
-
-
-def csrf(client: FlaskClient) -> str:
-    return csrf_of(client.get("/").text)
 
 
 # -- authentication ------------------------------------------------------------------------------
@@ -123,20 +90,6 @@ def test_create_app_refuses_missing_credentials_and_schema(db_url: str) -> None:
         create_app(db_url, credentials=Credentials())
     with pytest.raises(SchemaError, match="pgbroker migrate"):
         create_app(db_url, "nothere", credentials=CREDS)
-
-
-def test_credentials_and_loopback() -> None:
-    token = "t0ken-0123456789"
-    assert Credentials.from_env({"PGBROKER_ADMIN_TOKEN": token}).configured
-    assert not Credentials.from_env({}).configured
-    with pytest.raises(ConfigurationError, match="set both"):
-        Credentials.from_env({"PGBROKER_ADMIN_PASSWORD": "p"})
-    assert CREDS.login("alice", "correct horse", None) == Login("alice", OPERATOR)
-    assert CREDS.login(None, None, "s3cret-token-0123") == Login("alice", OPERATOR)
-    assert Credentials(token=token).login(None, None, token) == Login("token", OPERATOR)
-    assert CREDS.login("alice", "", None) is None and CREDS.login(None, None, "") is None
-    assert all(map(is_loopback, ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"]))
-    assert not any(map(is_loopback, ["0.0.0.0", "", "::", "10.0.0.1", "example.com"]))
 
 
 # -- CSRF ----------------------------------------------------------------------------------------

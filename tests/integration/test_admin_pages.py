@@ -18,8 +18,8 @@ from psycopg.types.json import Jsonb
 
 from pgbroker.beat import Schedules
 from pgbroker.ops import JobFilter, Operations
-from tests.integration.test_admin import app, client, csrf  # noqa: F401 - fixtures
-from tests.integration.test_metrics import add_job
+from tests.integration.admin_support import csrf
+from tests.support.db import add_job
 
 
 def uuid7_at(t: datetime) -> uuid.UUID:

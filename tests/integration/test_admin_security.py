@@ -16,11 +16,9 @@ from flask.testing import FlaskClient
 from psycopg.types.json import Jsonb
 
 from pgbroker.admin import create_app
-from pgbroker.admin.auth import Credentials, LoginThrottle
-from pgbroker.errors import ConfigurationError
-from tests.integration.test_admin import CREDS, app, csrf, csrf_of  # noqa: F401 - a fixture
-from tests.integration.test_cli import Run, cli  # noqa: F401 - a fixture
-from tests.integration.test_metrics import add_job
+from tests.integration.admin_support import CREDS, csrf, csrf_of
+from tests.support.db import add_job
+from tests.support.processes import Run
 
 
 def log_in(app: Flask, user: str = "alice", password: str = "correct horse",
@@ -146,37 +144,7 @@ def test_failed_logins_are_throttled(app: Flask) -> None:
     log_in(app, address="198.51.100.9")
 
 
-def test_throttle_refills_with_time() -> None:
-    now = [0.0]
-    throttle = LoginThrottle(burst=3, interval=10.0, clock=lambda: now[0])
-    for _ in range(3):
-        assert throttle.wait("a") == 0
-        throttle.failed("a")
-    assert throttle.wait("a") == pytest.approx(10.0)
-    assert throttle.wait("b") == 0
-    now[0] = 5.0
-    assert throttle.wait("a") == pytest.approx(5.0)
-    now[0] = 10.0
-    assert throttle.wait("a") == 0
-
-
-def test_the_total_of_failures_is_throttled_too() -> None:
-    throttle = LoginThrottle(burst=10, total_burst=5, total_interval=1.0, clock=lambda: 0.0)
-    for i in range(5):
-        throttle.failed(f"10.0.0.{i}")  # five addresses, one failure each
-    assert throttle.wait("10.0.0.99") == pytest.approx(1.0)
-
-
 # -- weak secrets --------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("given", [
-    {"token": "x"}, {"token": "aaaaaaaaaaaaaaaaaaaaaaaa"}, {"token": "short-token-12"},
-    {"user": "alice", "password": "hunter2"}, {"user": "a", "password": "abababababababab"},
-    {"token": "s3cret-token-0123", "viewer_token": "v"},
-])
-def test_weak_secrets_are_refused(given: dict[str, str]) -> None:
-    with pytest.raises(ConfigurationError, match="too weak"):
-        Credentials(**given)
 
 
 def test_serve_refuses_a_weak_token(cli: Run, monkeypatch: pytest.MonkeyPatch) -> None:

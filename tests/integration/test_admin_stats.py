@@ -14,11 +14,9 @@ import pytest
 from flask.testing import FlaskClient
 
 from pgbroker._store import Store
-from pgbroker.admin.stats import Histogram, window
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
-from tests.integration.test_admin import app, client  # noqa: F401 - fixtures
-from tests.integration.test_metrics import add_job
+from tests.support.db import add_job
 
 
 def minute_ago(pg: psycopg.Connection, minutes: int, second: float = 20.0) -> datetime:
@@ -112,28 +110,6 @@ def test_statistics_older_than_a_week_are_dropped(pg: psycopg.Connection, store:
                " (date_trunc('minute', now() - interval '6 days'), 'q1', 1)")
     store.rollup()
     assert pg.execute("SELECT count(*) FROM pgbroker.stats_finished").fetchone() == (1,)
-
-
-def test_percentiles_from_buckets() -> None:
-    h = Histogram({"16": 98, "24": 2})  # 98 runs of ~250 ms, 2 of ~3 s
-    low, high = Histogram.bounds(16)
-    assert low <= 250 < high
-    assert low <= h.percentile(50) < high
-    assert Histogram.bounds(24)[0] <= h.percentile(99) < Histogram.bounds(24)[1]
-    assert Histogram().percentile(50) is None
-    assert Histogram({"0": 1}).percentile(50) == pytest.approx(0.5)
-
-
-def test_windows_and_their_steps() -> None:
-    now = datetime.fromisoformat("2026-12-01T10:17:30+00:00")
-    assert (window(now, "1h").step, window(now, "24h").step, window(now, "7d").step) == \
-        (60, 1800, 7200)
-    assert window(now, "nonsense").key == "1h"
-    custom = window(now, None, now - timedelta(hours=2), now - timedelta(hours=1))
-    assert (custom.key, custom.live, custom.step) == (None, False, 60)
-    assert window(now, None, now - timedelta(days=30)).since == now - timedelta(days=7)
-    with pytest.raises(ValueError, match="empty"):
-        window(now, None, now, now - timedelta(minutes=1))
 
 
 def test_the_charts_show_rolled_up_and_live_minutes(client: FlaskClient,  # noqa: F811

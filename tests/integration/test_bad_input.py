@@ -36,10 +36,10 @@ from pgbroker._localdb import admin_url
 from pgbroker.errors import DatabaseUnavailable, MessageError
 from pgbroker.transport import MAX_NAME_LENGTH
 from tests.chaos.pgserver_fixture import throwaway_server
-from tests.conftest import _create_database, _drop_database
+from tests.support.databases import create_database, drop_database
 from tests.e2e import app as e2e
-from tests.e2e.support import _drop_pools, point_producer
-from tests.helpers import WorkerProcess, run_worker, wait_for
+from tests.support.producers import drop_pools, point_producer
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 from tests.integration.transport_support import Collector, connect, jobs
 
 SECRET = "n0t-in-any-message"
@@ -52,14 +52,14 @@ _names = itertools.count(1)
 def shared_url(database_url: str, template_db: str) -> Iterator[str]:
     """A migrated database (postgresql://) shared by this module's worker cases."""
     name = f"pgbroker_test_bad_{os.getpid()}_{next(_names)}"
-    _create_database(database_url, name, template=template_db)
+    create_database(database_url, name, template=template_db)
     try:
         url = admin_url(database_url, name)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(e2e.RUNS_DDL)
         yield url
     finally:
-        _drop_database(database_url, name)
+        drop_database(database_url, name)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def worker(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield proc.wait_ready(60)
     finally:
         proc.stop()
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
 
 
 def row(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:

@@ -22,11 +22,12 @@ from celery import Celery
 from celery.schedules import crontab, solar
 from psycopg.rows import dict_row
 
-from pgbroker import cli as cli_module
 from pgbroker._schedule import occurrence_key
 from pgbroker.beat import Fired, Scheduler
 from pgbroker.schedules import Schedules
 from pgbroker.errors import ConfigurationError
+from tests.support import db as support_db
+from tests.support.processes import Run
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
@@ -83,9 +84,7 @@ def entry(pg: psycopg.Connection, name: str) -> dict[str, Any]:
 
 
 def jobs(pg: psycopg.Connection, task: str | None = None) -> list[dict[str, Any]]:
-    return pg.cursor(row_factory=dict_row).execute(
-        "SELECT * FROM pgbroker.jobs WHERE task = coalesce(%s, task) ORDER BY idempotency_key",
-        (task,)).fetchall()
+    return support_db.jobs(pg, "task = coalesce(%s, task)", (task,), order="idempotency_key")
 
 
 def set_job_state(pg: psycopg.Connection, job_id: Any, state: str,
@@ -445,22 +444,6 @@ def test_beat_status_gives_the_age_of_the_last_completed_run(start: Start,
 
 
 # -- the command line ----------------------------------------------------------------------------
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    """``cli("schedule", "list")`` -> (exit status, stdout, stderr) through pgbroker.cli.main."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = cli_module.main(["--database-url", db_url, *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
 
 def audit(pg: psycopg.Connection) -> list[tuple[str, str, dict]]:
     return pg.execute("SELECT action, target, detail FROM pgbroker.audit ORDER BY id").fetchall()

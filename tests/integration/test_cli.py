@@ -7,17 +7,14 @@ Most commands run in-process through :func:`pgbroker.cli.main` (fast); the entry
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -27,50 +24,9 @@ from pgbroker.cli import main
 from pgbroker.migrate import latest_version
 from pgbroker.ops import os_user
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401, F811 - fixtures
-    job,
-    key_runs,
-    producer,
-    runs,
-    start_worker,
-)
-from tests.helpers import REPO_ROOT, wait_for
-from tests.integration.test_metrics import CHILD_KILLED, LOST, add_job, add_jobs
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@contextlib.contextmanager
-def pgbroker_process(*args: str, log: Path, env: dict[str, str] | None = None
-                     ) -> Iterator[subprocess.Popen[bytes]]:
-    """``python -m pgbroker ARGS`` in its own session, output in ``log``. Leaving the block
-    sends SIGTERM, which it must obey with exit status 0; it is killed if anything failed."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pgbroker", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                start_new_session=True)
-    try:
-        yield proc
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-@pytest.fixture
-def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    """``cli("stats", "--json")`` -> (exit status, stdout, stderr), against the test database."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(["--database-url", db_url, *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
+from tests.e2e.support import job, key_runs, start_worker
+from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
+from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs
 
 @pytest.fixture
 def queue(pg: psycopg.Connection) -> str:

@@ -21,7 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 import pgbroker
 from pgbroker.contrib import django as pgdjango
 from tests.e2e import results_app
-from tests.helpers import run_worker, wait_for
+from tests.support.processes import run_worker, wait_for
 
 CONFIRM = "tests.django_project.shop.tasks.confirm_order"
 

@@ -35,9 +35,10 @@ import pgbroker
 from pgbroker._build import _plain_repr, _task_id
 from pgbroker._target import current_target as _current_target
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 from tests.integration.enqueue_support import (
     KINDS, Caller, Recorder, comparable, pgbroker_inserts, rows_of)
+from tests.support import db as support_db
 
 CHANNEL = "pgbroker.jobs"
 
@@ -91,8 +92,7 @@ def app(broker_url: str) -> Iterator[Celery]:
 
 
 def jobs(pg: psycopg.Connection) -> list[dict[str, Any]]:
-    return pg.cursor(row_factory=dict_row).execute(
-        "SELECT * FROM pgbroker.jobs ORDER BY created_at, id").fetchall()
+    return support_db.jobs(pg, order="created_at, id")
 
 
 def things(pg: psycopg.Connection) -> list[str]:

@@ -11,45 +11,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
-import kombu
 import psycopg
 import pytest
-from kombu.asynchronous import Hub
 
-from tests.integration.transport_support import NO_POLL, connect, counts, jobs, publish
-
-
-class LoopConsumer:
-    """A kombu consumer on a Hub; ``run_until`` turns the loop."""
-
-    def __init__(self, conn: kombu.Connection, queue: str, prefetch: int, ack: bool = True):
-        conn.ensure_connection()
-        self.hub = Hub()
-        conn.transport.register_with_event_loop(conn.connection, self.hub)
-        self.received: list[kombu.Message] = []
-        self.ack = ack
-        self.consumer = kombu.Consumer(conn.channel(), [kombu.Queue(queue)],
-                                       callbacks=[self._on_message], accept=["json"],
-                                       prefetch_count=prefetch)
-        self.consumer.consume()
-        self.loop = self.hub.create_loop()
-
-    def _on_message(self, body: Any, message: kombu.Message) -> None:
-        self.received.append(message)
-        if self.ack:
-            message.ack()
-
-    def run_until(self, predicate: Any, timeout: float = 30.0) -> int:
-        """Turn the loop until ``predicate()``; returns how many turns it took."""
-        deadline = time.monotonic() + timeout
-        turns = 0
-        while not predicate():
-            assert time.monotonic() < deadline, "timed out turning the event loop"
-            next(self.loop)
-            turns += 1
-        return turns
+from tests.integration.transport_support import (
+    NO_POLL,
+    LoopConsumer,
+    connect,
+    counts,
+    jobs,
+    publish,
+)
 
 
 @pytest.fixture

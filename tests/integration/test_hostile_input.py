@@ -29,7 +29,7 @@ from pgbroker._text import ESCAPED, MAX_NESTING, unescape
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from pgbroker.sweeper import Sweeper
 from pgbroker.transport import UNROUTABLE
-from tests.helpers import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 from tests.integration.transport_support import Collector, connect, jobs, publish, store_for
 
 SURROGATE = b"caf\xe9".decode("utf-8", "surrogateescape")  # os.listdir's name for b"caf\xe9"

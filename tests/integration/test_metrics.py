@@ -18,33 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pgbroker.errors import DatabaseUnavailable
 from pgbroker.metrics import MetricsReader, Snapshot, prometheus_registry
 from pgbroker.ops import is_poison
-
-LOST = ("max attempts (3) reached: its consumer was lost (worker killed or unreachable) during "
-        "every attempt")
-CHILD_KILLED = "max attempts (3) reached; last: requeued by the consumer"
-CHILD_LOST = ("max attempts (3) reached; last: requeued by the worker: its pool process was lost "
-              "(killed or out of memory, with task_reject_on_worker_lost), or the task raised "
-              "Reject(requeue=True)")
-
-
-def add_job(pg: psycopg.Connection, state: str, queue: str = "q1", task: str | None = "t.a",
-            **cols: Any) -> uuid.UUID:
-    """Insert one job row in ``state`` (as the transport would have left it)."""
-    row: dict[str, Any] = {"id": uuid.uuid4(), "queue": queue, "task": task, "body": b"{}",
-                           "state": state, **cols}
-    if state == "running":
-        row.setdefault("locked_by", uuid.uuid4())
-        row.setdefault("attempts", 1)
-    names = ", ".join(row)
-    marks = ", ".join(f"%({k})s" for k in row)
-    pg.execute(f"INSERT INTO pgbroker.jobs ({names}) VALUES ({marks})", row)
-    return row["id"]
-
-
-def add_jobs(pg: psycopg.Connection, n: int, state: str, **kw: Any) -> None:
-    for _ in range(n):
-        add_job(pg, state, **kw)
-
+from tests.support.db import CHILD_KILLED, CHILD_LOST, LOST, add_job, add_jobs
 
 @pytest.fixture
 def populated(pg: psycopg.Connection) -> psycopg.Connection:

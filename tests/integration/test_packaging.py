@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 #: Files pgbroker opens at run time, relative to the repository: each must be in both artefacts.
 RUNTIME_GLOBS = ("pgbroker/sql/*.sql", "pgbroker/sql/migrations/*.sql",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 
-from collections.abc import Iterator
 from typing import Any
 
 import kombu
@@ -19,7 +18,7 @@ import pytest
 import pgbroker
 from pgbroker._store import Store
 from pgbroker.sweeper import Sweeper
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 from tests.integration.transport_support import (
     Collector,
     connect,
@@ -31,13 +30,6 @@ from tests.integration.transport_support import (
 )
 
 TRANSIENT = 1  # AMQP delivery_mode of Celery's replies and events
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = store_for(db_url)
-    yield s
-    s.close()
 
 
 def routed(pg: psycopg.Connection) -> dict[str, list[str]]:

@@ -36,18 +36,11 @@ from psycopg import sql
 
 import pgbroker
 from pgbroker.migrate import MIGRATIONS, migrate
-from tests.conftest import _create_database, _drop_database
+from tests.support.databases import create_database, drop_database
 from tests.e2e import app as e2e
-from tests.e2e.support import (  # noqa: F401 - fixtures
-    _drop_pools,
-    job,
-    point_producer,
-    producer,
-    runs,
-    start_worker,
-    wait_state,
-)
-from tests.helpers import REPO_ROOT, run_worker, wait_for
+from tests.e2e.support import job, start_worker, wait_state
+from tests.support.producers import drop_pools, point_producer
+from tests.support.processes import REPO_ROOT, run_worker, wait_for
 
 SECRET = "Sup3r-s3cret-" + uuid.uuid4().hex[:8]
 ROLES_SQL = REPO_ROOT / "pgbroker" / "sql" / "roles.sql.example"
@@ -153,7 +146,7 @@ def test_password_never_in_worker_log_banner_or_inspect_output(
         outputs = {command: inspect(secret_url, command, node)
                    for command in ("stats", "conf", "report", "active_queues")}
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
         worker.stop()
     log = worker.log_path.read_text(errors="replace")
     assert "transport:   pgbroker+postgresql://postgres:**@" in log  # the banner, masked
@@ -194,13 +187,13 @@ def roles(database_url: str) -> Iterator[dict[str, str]]:
              "migration_role": f"pgbroker_test_owner_{n}", "app_role": f"pgbroker_test_app_{n}",
              "producer_role": f"pgbroker_test_producer_{n}",
              "worker_role": f"pgbroker_test_worker_{n}"}
-    _create_database(database_url, names["database"])
+    create_database(database_url, names["database"])
     url = urlunsplit(urlsplit(database_url)._replace(path="/" + names["database"]))
     try:
         run_roles_sql(psql, url, names)
         yield {**names, "url": url, "psql": psql}
     finally:
-        _drop_database(database_url, names["database"])
+        drop_database(database_url, names["database"])
         with psycopg.connect(database_url, autocommit=True) as conn:
             for role in (names["producer_role"], names["worker_role"], names["app_role"],
                          names["migration_role"]):
@@ -267,7 +260,7 @@ def test_least_privilege_roles_run_a_worker_and_a_producer_without_ddl(
                 " AND datname = current_database()")}
         assert users == {roles["app_role"]}  # every pgbroker connection is the app role's
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
         worker.stop()
 
     with psycopg.connect(app_url, autocommit=True) as app:
@@ -326,7 +319,7 @@ def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
                 " AND application_name <> 'pgbroker migrate' AND datname = current_database()")}
         assert users <= {roles["worker_role"], roles["producer_role"]}, users
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
         worker.stop()
 
     audit = "INSERT INTO pgbroker.audit (actor, action) VALUES ('me', 'dead.retry')"

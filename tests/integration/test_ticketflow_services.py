@@ -20,17 +20,8 @@ from sqlalchemy.orm import Session
 
 import pgbroker
 import ticketflow
-from tests.helpers import REPO_ROOT, wait_for
-from tests.integration.ticketflow_support import (  # noqa: F401
-    confirmed,
-    event,
-    held,
-    jobs_of,
-    rows,
-    seats_taken,
-    session,
-    tf_url,
-)
+from tests.support.processes import REPO_ROOT, wait_for
+from tests.integration.ticketflow_support import confirmed, held, jobs_of, rows, seats_taken
 from ticketflow import db, gateway, services, tasks
 from ticketflow.models import Base
 

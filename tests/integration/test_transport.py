@@ -30,7 +30,7 @@ from pgbroker._store import Store
 from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
 from pgbroker.sweeper import Sweeper, lock_class
 from pgbroker.transport import MAX_NAME_LENGTH, Transport
-from tests.helpers import wait_for
+from tests.support.processes import wait_for
 from tests.integration.transport_support import (
     NO_POLL,
     Collector,
@@ -512,10 +512,9 @@ def test_sweeper_rescues_a_consumer_with_an_old_heartbeat(store: Store, pg: psyc
     store.insert(new_job("hb", {"n": 1}, max_attempts=max_attempts))
     store.claim("hb", 1, consumer)
     sweeper = Sweeper(store)
-    age_consumer(pg, consumer, store.settings.lease_timeout / 2)
-    assert sweeper.run_once().rescued == 0
-    age_consumer(pg, consumer, store.settings.lease_timeout + 1)
-    result = sweeper.run_once()
+    now, lease = db_now(pg), timedelta(seconds=store.settings.lease_timeout)
+    assert sweeper.run_once(now=now + lease / 2).rescued == 0
+    result = sweeper.run_once(now=now + lease + timedelta(seconds=1))
     [row] = jobs(pg)
     if max_attempts == 1:  # its one attempt was spent by the lost consumer
         assert (result.rescued, result.buried, row["state"]) == (0, 1, "dead")

@@ -1,4 +1,4 @@
-"""Fixtures and look-ups shared by the ticketflow tests (tests/integration/test_ticketflow_services.py
+"""Look-ups shared by the ticketflow tests (tests/integration/test_ticketflow_services.py
 and tests/e2e/test_ticketflow.py).
 
 ``ticketflow.app`` is pointed at the test's database for the duration of a test and made Celery's
@@ -8,54 +8,26 @@ the current app).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
-from celery import current_app
-from psycopg.rows import dict_row
 from sqlalchemy.orm import Session
 
-import ticketflow
-from tests.e2e.support import point_producer
-from ticketflow import db, services
+from tests.support.db import rows
+from tests.support.processes import WorkerProcess, run_worker
+from ticketflow import services, tasks
 
-__all__ = ["tf_url", "session", "event", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
-
-
-@pytest.fixture
-def tf_url(broker_url: str, db_url: str) -> Iterator[str]:
-    """``db_url`` with ticketflow's schema migrated; ``ticketflow.app`` publishes there."""
-    db.migrate(db_url)
-    app = ticketflow.app
-    options = dict(app.conf.broker_transport_options)
-    original = app.conf.broker_url
-    previous = current_app._get_current_object()
-    point_producer(app, broker_url, options)
-    app.set_current()
-    try:
-        yield db_url
-    finally:
-        db.dispose()
-        point_producer(app, original, options)
-        previous.set_current()
+__all__ = ["FAST_PDF", "start_worker", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
 
 
-@pytest.fixture
-def session(tf_url: str) -> Iterator[Session]:
-    with db.session(tf_url) as s:
-        yield s
+#: Fast PDF renders, unless a test wants a slow one.
+FAST_PDF = {tasks.ENV_PDF_SECONDS: "0.05"}
 
 
-@pytest.fixture
-def event(session: Session) -> int:
-    """An event with 20 seats; returns its id."""
-    return services.create_event(session, "Test concert", 20).id
-
-
-def rows(pg: psycopg.Connection, query: str, *params: Any) -> list[dict[str, Any]]:
-    return pg.cursor(row_factory=dict_row).execute(query, params).fetchall()
+def start_worker(broker_url: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    """``celery -A ticketflow worker -Q default,email`` (as the README runs it), ready."""
+    return run_worker("ticketflow", broker_url, "-Q", "default,email",
+                      env={**FAST_PDF, **(env or {})}).wait_ready(60)
 
 
 def jobs_of(pg: psycopg.Connection, task: str) -> list[dict[str, Any]]:

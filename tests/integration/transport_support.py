@@ -10,20 +10,21 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import kombu
+from kombu.asynchronous import Hub
 import psycopg
 import uuid6
-from psycopg.rows import dict_row
 
 import pgbroker  # noqa: F401 - registers pgbroker://
 from pgbroker._store import NewJob, Store
 from pgbroker.settings import Settings
+from tests.support.db import counts, db_now, free_port, jobs
 
-__all__ = ["NO_POLL", "OPTIONS", "Collector", "age_consumer", "connect", "counts", "db_now", "drain_until",
-           "free_port", "jobs", "new_job", "publish", "store_for"]
+__all__ = ["NO_POLL", "OPTIONS", "Collector", "LoopConsumer", "age_consumer", "connect", "counts",
+           "db_now", "drain_until", "free_port", "jobs", "new_job", "publish", "store_for"]
 
 #: Transport options of these tests: no sweep from the lease thread, so that only the test's
 #: own ``Sweeper.run_once()`` changes rows behind the consumer's back; a short poll fallback.
@@ -43,14 +44,6 @@ def store_for(db_url: str, **options: Any) -> Store:
     return Store(db_url, Settings(**{**OPTIONS, **options}))
 
 
-def jobs(pg: psycopg.Connection, where: str = "true", params: Any = None,
-         schema: str = "pgbroker") -> list[dict[str, Any]]:
-    """Rows of ``<schema>.jobs`` matching ``where``, oldest first."""
-    with pg.cursor(row_factory=dict_row) as cur:
-        return cur.execute(f'SELECT * FROM "{schema}".jobs WHERE {where} ORDER BY id',
-                           params).fetchall()
-
-
 def publish(conn: kombu.Connection, body: Any, queue: str, **kwargs: Any) -> None:
     """Publish ``body`` straight to ``queue`` (the default exchange, routing key = queue name),
     JSON-encoded unless a ``content_type`` says the body is already encoded."""
@@ -65,13 +58,6 @@ def new_job(queue: str, body: Any = None, **fields: Any) -> NewJob:
                   content_type="application/json", content_encoding="utf-8",
                   headers=fields.pop("headers", {}), properties=fields.pop("properties", {}),
                   routing_key=queue, **fields)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (just closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def drain_until(conn: kombu.Connection, predicate: Callable[[], Any], timeout: float = 30.0,
@@ -143,20 +129,38 @@ class Collector:
         self.consumer.cancel()
 
 
-def db_now(pg: psycopg.Connection) -> Any:
-    """The database clock (the only one pgbroker trusts)."""
-    row = pg.execute("SELECT clock_timestamp()").fetchone()
-    assert row is not None
-    return row[0]
-
-
 def age_consumer(pg: psycopg.Connection, consumer: uuid.UUID, seconds: float) -> None:
     """Make ``consumer``'s last heartbeat ``seconds`` old (a frozen or cut-off worker)."""
     pg.execute("UPDATE pgbroker.consumers SET heartbeat_at = now() - make_interval(secs => %s)"
                " WHERE id = %s", (seconds, consumer))
 
 
-def counts(pg: psycopg.Connection, schema: str = "pgbroker") -> Mapping[str, int]:
-    """Number of jobs per state."""
-    return dict(pg.execute(f'SELECT state, count(*) FROM "{schema}".jobs GROUP BY state')
-                .fetchall())
+class LoopConsumer:
+    """A kombu consumer on a Hub; ``run_until`` turns the loop."""
+
+    def __init__(self, conn: kombu.Connection, queue: str, prefetch: int, ack: bool = True):
+        conn.ensure_connection()
+        self.hub = Hub()
+        conn.transport.register_with_event_loop(conn.connection, self.hub)
+        self.received: list[kombu.Message] = []
+        self.ack = ack
+        self.consumer = kombu.Consumer(conn.channel(), [kombu.Queue(queue)],
+                                       callbacks=[self._on_message], accept=["json"],
+                                       prefetch_count=prefetch)
+        self.consumer.consume()
+        self.loop = self.hub.create_loop()
+
+    def _on_message(self, body: Any, message: kombu.Message) -> None:
+        self.received.append(message)
+        if self.ack:
+            message.ack()
+
+    def run_until(self, predicate: Any, timeout: float = 30.0) -> int:
+        """Turn the loop until ``predicate()``; returns how many turns it took."""
+        deadline = time.monotonic() + timeout
+        turns = 0
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out turning the event loop"
+            next(self.loop)
+            turns += 1
+        return turns

@@ -9,6 +9,7 @@ is the last resort for anything started outside a test.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import signal
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,14 +27,16 @@ from pgbroker._localdb import normalize_url
 __all__ = [
     "REPO_ROOT",
     "CeleryProcess",
+    "Run",
     "WorkerProcess",
     "live_processes",
+    "pgbroker_process",
     "run_beat",
     "run_worker",
     "wait_for",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 T = TypeVar("T")
 
@@ -298,3 +301,26 @@ def _log_path(log_dir: Path | None, name: str) -> Path:
 def _stop_all() -> None:
     for proc in list(_live):
         proc.stop(timeout=5)
+
+
+#: ``cli("stats", "--json")`` -> (exit status, stdout, stderr): the ``cli`` fixtures' type.
+Run = Callable[..., tuple[int, str, str]]
+
+
+@contextlib.contextmanager
+def pgbroker_process(*args: str, log: Path, env: dict[str, str] | None = None
+                     ) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m pgbroker ARGS`` in its own session, output in ``log``. Leaving the block
+    sends SIGTERM, which it must obey with exit status 0; it is killed if anything failed."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pgbroker", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                start_new_session=True)
+    try:
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -1,0 +1,69 @@
+"""Fixtures of the integration tier (one process, a real database, no worker processes):
+
+* ``app``, ``client`` -- the admin app on this test's database, and a test client logged in
+  as alice (tests/integration/test_admin*.py; their logins and helpers: admin_support.py);
+* ``cli`` -- ``pgbroker`` commands run in-process against this test's database;
+* ``store`` -- a :class:`~pgbroker._store.Store` on this test's database, with the options of
+  transport_support.py (no sweeping behind the test's back).
+
+The fixtures of every tier (``db_url``, ``pg``...) are in tests/conftest.py; those several
+tiers share (``runs``, ``producer``, ticketflow's) in tests/support/fixtures.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+
+from pgbroker._store import Store
+from pgbroker.admin import create_app
+from pgbroker.cli import main
+from tests.integration.admin_support import CREDS, csrf_of
+from tests.integration.transport_support import store_for
+from tests.support.processes import Run
+
+
+@pytest.fixture
+def app(db_url: str, pg: psycopg.Connection) -> Iterator[Flask]:
+    """The admin app (logins: admin_support.CREDS) with one queue, ``q1``."""
+    pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q1')")
+    app = create_app(db_url, credentials=CREDS, refresh=1)
+    app.config["TESTING"] = True
+    yield app
+    app.extensions["pgbroker"].close()
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    """A client logged in as alice."""
+    client = app.test_client()
+    token = csrf_of(client.get("/login").text)
+    response = client.post("/login", data={"user": "alice", "password": "correct horse",
+                                           "csrf_token": token})
+    assert response.status_code == 303
+    return client
+
+
+@pytest.fixture
+def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
+    """``cli("stats", "--json")`` -> (exit status, stdout, stderr), against the test database."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["--database-url", db_url, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    """A store on this test's database (closed after the test)."""
+    s = store_for(db_url)
+    yield s
+    s.close()

@@ -1,0 +1,85 @@
+"""Reading the database as the tests do: its clock, the ``jobs`` rows, counts per state; and
+job rows made with SQL in the states the transport leaves (:func:`add_job`).
+
+pgbroker trusts only the database's clock, so do the tests: a time a test computes comes from
+:func:`db_now`, never from the test process.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+__all__ = ["CHILD_KILLED", "CHILD_LOST", "LOST", "add_job", "add_jobs", "counts", "db_now",
+           "free_port", "jobs", "rows"]
+
+
+def db_now(pg: psycopg.Connection) -> datetime:
+    """The database clock (``clock_timestamp()``: the moment of the call, not of the
+    transaction)."""
+    row = pg.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def rows(pg: psycopg.Connection, query: str, *params: Any) -> list[dict[str, Any]]:
+    """Every row of ``query`` (``%s`` placeholders, ``params`` in order), as dicts."""
+    return pg.cursor(row_factory=dict_row).execute(query, params).fetchall()
+
+
+def jobs(pg: psycopg.Connection, where: str = "true", params: Any = None,
+         schema: str = "pgbroker", order: str = "id") -> list[dict[str, Any]]:
+    """Rows of ``<schema>.jobs`` matching ``where`` (SQL, with ``params``), by ``order``
+    (default ``id``: oldest first)."""
+    with pg.cursor(row_factory=dict_row) as cur:
+        return cur.execute(f'SELECT * FROM "{schema}".jobs WHERE {where} ORDER BY {order}',
+                           params).fetchall()
+
+
+def counts(pg: psycopg.Connection, schema: str = "pgbroker") -> Mapping[str, int]:
+    """``{state: count}`` over every job row."""
+    return dict(pg.execute(f'SELECT state, count(*) FROM "{schema}".jobs GROUP BY state')
+                .fetchall())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (just closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- rows as the transport leaves them (fabricated with SQL) ---------------------------------------
+
+#: The ``last_error`` of jobs buried after three attempts, as the sweeper and transport word it.
+LOST = ("max attempts (3) reached: its consumer was lost (worker killed or unreachable) during "
+        "every attempt")
+CHILD_KILLED = "max attempts (3) reached; last: requeued by the consumer"
+CHILD_LOST = ("max attempts (3) reached; last: requeued by the worker: its pool process was lost "
+              "(killed or out of memory, with task_reject_on_worker_lost), or the task raised "
+              "Reject(requeue=True)")
+
+
+def add_job(pg: psycopg.Connection, state: str, queue: str = "q1", task: str | None = "t.a",
+            **cols: Any) -> uuid.UUID:
+    """Insert one job row in ``state`` (as the transport would have left it)."""
+    row: dict[str, Any] = {"id": uuid.uuid4(), "queue": queue, "task": task, "body": b"{}",
+                           "state": state, **cols}
+    if state == "running":
+        row.setdefault("locked_by", uuid.uuid4())
+        row.setdefault("attempts", 1)
+    names = ", ".join(row)
+    marks = ", ".join(f"%({k})s" for k in row)
+    pg.execute(f"INSERT INTO pgbroker.jobs ({names}) VALUES ({marks})", row)
+    return row["id"]
+
+
+def add_jobs(pg: psycopg.Connection, n: int, state: str, **kw: Any) -> None:
+    for _ in range(n):
+        add_job(pg, state, **kw)

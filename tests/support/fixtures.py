@@ -1,0 +1,89 @@
+"""The fixtures more than one tier uses, loaded for every tier by ``tests/conftest.py``
+(``pytest_plugins``): no test module imports a fixture.
+
+* ``runs``, ``producer`` -- the e2e app (``tests/e2e/app.py``) publishing into this test's
+  database, and its ``public.runs`` table: the e2e, chaos and some integration tests.
+* ``tf_url``, ``session``, ``event`` -- the ticketflow example on this test's database: its
+  integration and e2e tests.
+
+The Celery apps are imported by the fixtures that use them, not here: importing a Celery app
+makes it Celery's current app, which a test that never asked for it must not see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import psycopg
+import pytest
+from celery import Celery, current_app
+
+from tests.support.producers import drop_pools, point_producer
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+
+@pytest.fixture
+def runs(pg: psycopg.Connection) -> psycopg.Connection:
+    """The test database with ``public.runs`` (one row per task run) created; returns ``pg``."""
+    from tests.e2e import app as e2e  # see the module docstring: the current app
+
+    pg.execute(e2e.RUNS_DDL)
+    return pg
+
+
+@pytest.fixture
+def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
+    """``tests.e2e.app.app`` publishing into this test's database (default transport options)."""
+    from tests.e2e import app as e2e  # see the module docstring: the current app
+
+    point_producer(e2e.app, broker_url)
+    # Connect now, so a test's first publish is not slowed by connecting (and checking the
+    # schema): countdown tests compare the publish time with the row's created_at.
+    with e2e.app.producer_or_acquire() as warm:
+        warm.connection.ensure_connection(max_retries=3)
+        warm.channel  # noqa: B018 - opens the channel (the transport's store connection)
+    try:
+        yield e2e.app
+    finally:
+        drop_pools(e2e.app)
+
+
+@pytest.fixture
+def tf_url(broker_url: str, db_url: str) -> Iterator[str]:
+    """``db_url`` with ticketflow's schema migrated; ``ticketflow.app`` publishes there."""
+    import ticketflow  # see the module docstring: the current app
+    from ticketflow import db  # (and its app: imported with the package, above)
+
+    db.migrate(db_url)
+    app = ticketflow.app
+    options = dict(app.conf.broker_transport_options)
+    original = app.conf.broker_url
+    previous = current_app._get_current_object()
+    point_producer(app, broker_url, options)
+    app.set_current()
+    try:
+        yield db_url
+    finally:
+        db.dispose()
+        point_producer(app, original, options)
+        previous.set_current()
+
+
+@pytest.fixture
+def session(tf_url: str) -> Iterator[Session]:
+    """A ticketflow database session on ``tf_url``."""
+    from ticketflow import db  # see the module docstring: the current app
+
+    with db.session(tf_url) as s:
+        yield s
+
+
+@pytest.fixture
+def event(session: Session) -> int:
+    """An event with 20 seats; returns its id."""
+    from ticketflow import services  # see the module docstring: the current app
+
+    return services.create_event(session, "Test concert", 20).id
