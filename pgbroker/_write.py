@@ -123,7 +123,8 @@ async def awrite(conn: Conn, jobs: Sequence[tuple[Settings, NewJob | Planned]],
 
 
 async def _insert_many(conn: Conn, settings: Settings, jobs: list[NewJob],
-                 json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> dict[uuid.UUID, uuid.UUID]:
+                       json_of: dict[uuid.UUID, tuple[bytes, bytes]],
+                       ) -> dict[uuid.UUID, uuid.UUID]:
     """``job_insert_many`` for ``jobs``; keyed jobs are then looked up in the same round trip.
 
     Returns {id made for a job that was a duplicate: the existing job's id}.
@@ -144,7 +145,7 @@ _Sent = tuple
 
 
 async def _send_many(conn: Conn, settings: Settings, jobs: list[NewJob],
-               json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> _Sent:
+                     json_of: dict[uuid.UUID, tuple[bytes, bytes]]) -> _Sent:
     """Execute ``job_insert_many`` for ``jobs`` and, if some have idempotency keys (then in a
     pipeline), ``job_enqueued_ids`` for those."""
     q = Queries(settings.schema)

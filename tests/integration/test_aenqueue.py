@@ -22,6 +22,7 @@ import kombu
 import psycopg
 import pytest
 from celery import Celery, chain, group
+from sqlalchemy.ext.asyncio import async_scoped_session, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
 
 import pgbroker
@@ -246,6 +247,24 @@ async def test_sync_and_async_connections_are_each_refused_by_the_other_form(
 
 
 @asynchronous
+async def test_an_async_scoped_session_is_its_current_session(
+        db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+    engine = create_async_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    scoped = async_scoped_session(async_sessionmaker(engine), scopefunc=asyncio.current_task)
+    try:
+        job_id = await pgbroker.aenqueue(scoped, "t.add", (1, 2), app=app)
+        async with pgbroker.atransaction(scoped):
+            published = app.tasks["t.add"].delay(3, 4)
+        assert jobs(pg) == []
+        await scoped.commit()
+        assert {r["id"] for r in jobs(pg)} >= {job_id}
+        assert published.id in {r["task_id"] for r in jobs(pg)}
+    finally:
+        await scoped.remove()
+        await engine.dispose()
+
+
+@asynchronous
 async def test_a_database_without_the_schema_is_a_clear_error(db_url: str,
                                                               broker_url: str) -> None:
     app = Celery("elsewhere", broker=broker_url, set_as_current=False)
@@ -398,7 +417,8 @@ async def test_atransaction_blocks_nest_like_transaction_blocks(
         kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
     """The innermost block takes the publishes, and writes them when it is left; leaving it
     gives the outer block back its own. A synchronous ``transaction(conn)`` nests the same way
-    (inside it, publishes go to ``conn``); ``aenqueue`` writes at once whatever block is open."""
+    (inside it, publishes go to ``conn``); ``aenqueue``, and ``enqueue`` on a synchronous
+    connection, write at once on their own ``db`` whatever block is open."""
     add = app.tasks["t.add"]
     async with opened(kind, db_url) as caller:
         with psycopg.connect(db_url) as other:
@@ -409,17 +429,20 @@ async def test_atransaction_blocks_nest_like_transaction_blocks(
                 assert len(pgbroker_inserts()) == 1  # the inner block's, on leaving it
                 with pgbroker.transaction(other):
                     synced = add.delay(3, 3)
+                direct = pgbroker.enqueue(other, add, (6, 6))  # its own db: written there now
+                assert [r["id"] for r in rows_of(other, [direct])] == [direct]
                 enqueued = await pgbroker.aenqueue(caller.db, add, (4, 4))
                 assert len(pgbroker_inserts()) == 2  # (``other`` records nothing)
                 after = add.delay(5, 5)  # the outer block's again
             assert jobs(pg) == []
             other.commit()
-        assert [r["task_id"] for r in jobs(pg)] == [synced.id]
+        assert {r["task_id"] for r in jobs(pg)} == {synced.id} | {
+            r["task_id"] for r in jobs(pg) if r["id"] == direct}
         await caller.commit()
     rows = jobs(pg)
     assert {r["task_id"] for r in rows} == {outer.id, inner.id, synced.id, after.id} | {
-        r["task_id"] for r in rows if r["id"] == enqueued}
-    assert len(rows) == 5
+        r["task_id"] for r in rows if r["id"] in (enqueued, direct)}
+    assert len(rows) == 6
 
 
 @asynchronous
