@@ -9,7 +9,7 @@ The asyncio forms of :mod:`pgbroker.enqueue`, with the same guarantees::
 
 ``db`` is a SQLAlchemy ``AsyncSession``, ``async_scoped_session`` or ``AsyncConnection`` (engine
 ``create_async_engine("postgresql+psycopg://...")``; SQLAlchemy's asyncio extension needs
-``greenlet``: ``pip install 'pgbroker[asyncio]'``) or a psycopg 3 ``AsyncConnection``, connected to
+``greenlet``: pgbroker's ``asyncio`` extra) or a psycopg 3 ``AsyncConnection``, connected to
 the broker's database. The messages are those the synchronous forms write (the same code builds
 and checks them); only the statements are awaited, on the caller's connection, in its
 transaction: the job exists exactly when the caller commits, the wake-up NOTIFY is delivered at
