@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 import pgbroker
 from pgbroker.errors import IdempotencyKeyRequired, SchemaError
 from tests.integration.enqueue_support import (
-    ASYNC_KINDS, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)
+    ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)
 from tests.integration.test_enqueue import (  # noqa: F401 - app and mixed_app are fixtures
     BAD_CALLS, app, decoded_body, jobs, listener, mixed_app, mixed_items, notifications, things)
 
@@ -274,7 +274,9 @@ async def test_a_database_without_the_schema_is_a_clear_error(db_url: str,
             await pgbroker.aenqueue(caller.db, "t.add", (1, 2), app=app)
         await caller.rollback()  # (the failed statement ended the transaction)
         with pytest.raises(SchemaError, match="no pgbroker schema 'not_migrated'"):
-            await pgbroker.aenqueue_many(caller.db, [("t.add", (1, 2))] * 3, app=app)
+            # three batches: pipelined, so the error comes when the pipeline ends
+            await pgbroker.aenqueue_many(caller.db, [("t.add", (1, 2))] * 3, app=app,
+                                         batch_size=1)
 
 
 # -- atransaction --------------------------------------------------------------------------------
@@ -331,6 +333,48 @@ async def test_a_failed_transaction_drops_the_block_and_raises_the_callers_error
         assert pgbroker_inserts() == []  # the transaction can only roll back: nothing sent
         await caller.rollback()
     assert jobs(pg) == []
+
+
+@asynchronous
+async def test_a_cancelled_request_writes_nothing(
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+    """A request cancelled inside the block (a client that went away): CancelledError is no
+    Exception, so the buffer is dropped, nothing is sent, and the connection stays usable."""
+    inside = asyncio.Event()
+    async with opened(kind, db_url) as caller:
+        async def request() -> None:
+            async with pgbroker.atransaction(caller.db):
+                app.tasks["t.add"].delay(1, 1)
+                inside.set()
+                await asyncio.sleep(30)
+
+        served = asyncio.create_task(request())
+        await inside.wait()
+        served.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await served
+        assert pgbroker_inserts() == []
+        await caller.rollback()
+        assert await caller.execute("SELECT 1") == [(1,)]
+    assert jobs(pg) == []
+
+
+@asynchronous
+async def test_autocommit_writes_each_statement_at_once(
+        db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+    """A psycopg AsyncConnection in autocommit mode has no transaction to join: each statement
+    is its own, so batches go one by one (not pipelined) and are visible at once."""
+    Recorder.log = []
+    async with await psycopg.AsyncConnection.connect(
+            db_url, autocommit=True, cursor_factory=AsyncRecorder) as conn:
+        ids = await pgbroker.aenqueue_many(conn, [("t.add", (i, i)) for i in range(5)],
+                                           app=app, batch_size=2)
+        assert {r["id"] for r in jobs(pg)} == set(ids)
+        async with pgbroker.atransaction(conn):
+            published = app.tasks["t.add"].delay(9, 9)
+        assert published.id in {r["task_id"] for r in jobs(pg)}
+    inserts = pgbroker_inserts()
+    assert len(inserts) == 4 and not any(in_pipeline for _, in_pipeline in inserts)
 
 
 @asynchronous
