@@ -15,6 +15,7 @@ from .errors import (
     PgBrokerError,
     SchemaError,
 )
+from .aio import aenqueue, aenqueue_many, atransaction
 from .enqueue import enqueue, enqueue_many, transaction
 from .migrate import migrate
 from .settings import Settings
@@ -30,6 +31,9 @@ __all__ = [
     "PgBrokerError",
     "SchemaError",
     "Settings",
+    "aenqueue",
+    "aenqueue_many",
+    "atransaction",
     "enqueue",
     "enqueue_many",
     "migrate",

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import RowFactory, dict_row, tuple_row
 
-from . import _db
+from . import _db, _io
 
 __all__ = ["queries", "Queries"]
 
@@ -80,6 +80,20 @@ class Queries:
         """The first row of ``name``, or None."""
         with _db.translate_errors(kw.get("what") or f"pgbroker {name}"):
             return self.execute(conn, name, params, **kw).fetchone()
+
+    async def aexecute(self, conn: Any, name: str, params: Any = None, *,
+                       row_factory: RowFactory[Any] = tuple_row, what: str | None = None) -> Any:
+        """:meth:`execute` as a coroutine, on a psycopg ``AsyncConnection`` or ``Connection``
+        (then it never suspends: see :mod:`pgbroker._io`)."""
+        with _db.translate_errors(what or f"pgbroker {name}"):
+            cur = conn.cursor(row_factory=row_factory)
+            return await _io.awaited(cur.execute(self.text[name], params))
+
+    async def aall(self, conn: Any, name: str, params: Any = None, **kw: Any) -> list[Any]:
+        """:meth:`all` as a coroutine (see :meth:`aexecute`)."""
+        with _db.translate_errors(kw.get("what") or f"pgbroker {name}"):
+            cur = await self.aexecute(conn, name, params, **kw)
+            return await _io.awaited(cur.fetchall())  # type: ignore[no-any-return]
 
     def rowcount(self, conn: psycopg.Connection[Any], name: str, params: Any = None,
                  **kw: Any) -> int:

@@ -1,11 +1,17 @@
-"""Where a publish goes inside ``with pgbroker.transaction(db):``: the context variable and its
-buffer.
+"""Where a publish goes inside ``with pgbroker.transaction(db):`` or
+``async with pgbroker.atransaction(db):``: the context variable and its buffer.
 
-:func:`joined` opens a :class:`Target` for ``db`` (through its connector,
-:mod:`pgbroker._connector`) and makes it this context's; the transport's ``Channel._put`` asks
-:func:`current_target` where to write: into the innermost open target's buffer, or (None) the
-broker's own autocommit connection. The buffer is written by :func:`pgbroker._write.write` at the
-caller's commit (a library with commit events: SQLAlchemy) or when the block is left.
+:func:`joined` (synchronous) and :func:`ajoined` (asyncio) open a :class:`Target` for ``db``
+(through its connector, :mod:`pgbroker._connector`) and make it this context's; the transport's
+``Channel._put`` asks :func:`current_target` where to write: into the innermost open target's
+buffer, or (None) the broker's own autocommit connection. The buffer is written by
+:func:`pgbroker._write.awrite` at the caller's commit (a library with commit events: SQLAlchemy)
+or when the block is left.
+
+Both blocks are one coroutine body (:func:`_block`), awaited by ``ajoined`` and run without an
+event loop by ``joined`` (:mod:`pgbroker._io`). A publish (``.delay()``) is a synchronous call
+even in asyncio code, so :meth:`Target.add` never waits for the database: an asyncio block joins
+the caller's transaction when it is entered, a synchronous one at its first publish.
 """
 
 from __future__ import annotations
@@ -13,81 +19,119 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from psycopg.pq import TransactionStatus
 
-from . import _write
-from ._connector import connector_for
+from . import _io, _write
+from ._connector import AsyncConnector, Connector, aconnector_for, connector_for
 from ._jobs import NewJob
 from .settings import Settings
 
-__all__ = ["Target", "current_target", "joined"]
+__all__ = ["Target", "ajoined", "current_target", "joined"]
 
 logger = logging.getLogger("pgbroker.enqueue")  # transaction()'s messages, as they always were
 
 
 class Target:
-    """The jobs published inside one ``pgbroker.transaction`` block, waiting for its flush."""
+    """The jobs (and dead letters) published inside one ``pgbroker.transaction`` or
+    ``pgbroker.atransaction`` block, waiting for its flush."""
 
-    def __init__(self, db: Any):
-        self.db = db
-        self.connector = connector_for(db)  # refuse an unsupported db now, not at the first publish
-        self.raw = not self.connector.has_events  # no commit hook
+    def __init__(self, connector: Connector | AsyncConnector, asynchronous: bool):
+        self.connector = connector
+        self.asynchronous = asynchronous
+        self.name = "atransaction" if asynchronous else "transaction"
+        self.raw = not connector.has_events  # no commit hook
         self._jobs: list[tuple[Settings, NewJob]] = []
-        self.connector.connection()
+        self._dead: list[tuple[Settings, NewJob, str]] = []
+
+    async def connection(self) -> Any:
+        return await _io.awaited(self.connector.connection())
+
+    async def open(self) -> None:
+        """Entering the block: refuse an unusable ``db`` now, not at the first publish."""
+        if self.asynchronous:
+            await self.join()
+        else:
+            await self.connection()
+
+    async def join(self) -> None:
+        """Join the transaction open now (SQLAlchemy: begin it), so that a rollback before the
+        flush drops the jobs, and a psycopg one opened here lets flush() tell whether the caller
+        ended it inside the block."""
+        conn = await self.connection()
+        if (self.raw and not conn.autocommit
+                and conn.info.transaction_status == TransactionStatus.IDLE):
+            await _io.awaited(conn.execute("SELECT 1"))
+
+    def _joining(self) -> None:
+        """At the first publish since the block began or flushed: join the transaction."""
+        if self._jobs or self._dead:
+            return
+        if self.asynchronous:
+            # no I/O here: the library's transaction only (after a commit inside the block, so
+            # that a rollback event drops what this publish buffers)
+            self.connector.begin()  # type: ignore[union-attr]
+        else:
+            _io.run_sync(self.join())
 
     def add(self, job: NewJob, settings: Settings) -> None:
         """Buffer one message (called by the transport's ``Channel._put``)."""
-        if not self._jobs:
-            # Join the transaction open now (SQLAlchemy: begin it), so that a rollback before
-            # the flush drops these jobs, and a psycopg one opened here lets flush() tell
-            # whether the caller ended it inside the block.
-            conn = self.connector.connection()
-            if (self.raw and not conn.autocommit
-                    and conn.info.transaction_status == TransactionStatus.IDLE):
-                conn.execute("SELECT 1")
+        self._joining()
         self._jobs.append((settings, job))
 
     def add_dead(self, job: NewJob, settings: Settings, error: str) -> None:
-        """Write a dead letter (an unroutable message: ``job_insert_dead``) into the caller's
-        transaction now."""
-        _write.insert_dead(self.connector.connection(), settings, job, error)
+        """Buffer a dead letter (an unroutable message: ``job_insert_dead``), written with the
+        block's jobs."""
+        self._joining()
+        self._dead.append((settings, job, error))
 
-    def flush(self) -> None:
+    async def flush(self) -> None:
         """Write what is buffered into the caller's current transaction (a statement a batch)."""
-        if not self._jobs:
+        if not (self._jobs or self._dead):
             return
-        conn = self.connector.connection()
+        conn = await self.connection()
         if self.raw and not conn.autocommit and (
                 conn.info.transaction_status != TransactionStatus.INTRANS):
-            count = len(self._jobs)
-            self._jobs.clear()
+            count = len(self._jobs) + len(self._dead)
+            self.discard()
             raise RuntimeError(
-                f"pgbroker.transaction: the connection's transaction ended inside the block, so "
+                f"pgbroker.{self.name}: the connection's transaction ended inside the block, so "
                 f"the {count} job(s) published in it were not written; commit (or roll back) "
-                "after leaving the `with pgbroker.transaction(conn):` block")
-        jobs, self._jobs = self._jobs, []
-        _write.write(conn, jobs, _write.BATCH_SIZE)
+                f"after leaving the `{'async ' if self.asynchronous else ''}with "
+                f"pgbroker.{self.name}(conn):` block")
+        (jobs, self._jobs), (dead, self._dead) = (self._jobs, []), (self._dead, [])
+        if jobs:
+            await _write.awrite(conn, jobs, _write.BATCH_SIZE)
+        for settings, job, error in dead:
+            await _write.ainsert_dead(conn, settings, job, error)
 
-    def flush_on_error(self) -> None:
+    async def flush_on_error(self) -> None:
         """Leaving by an exception: write into a still healthy transaction, else drop."""
-        if not self._jobs:
+        if not (self._jobs or self._dead):
             return
         try:
-            status = self.connector.connection().info.transaction_status
-            if status == TransactionStatus.INERROR:
+            conn = await self.connection()
+            if conn.info.transaction_status == TransactionStatus.INERROR:
                 self.discard()  # the transaction can only roll back
             else:
-                self.flush()
+                await self.flush()
         except Exception as exc:  # noqa: BLE001 - the caller's own exception must propagate
-            logger.warning("pgbroker.transaction: %d job(s) not written while leaving the block "
-                           "on an exception: %s", len(self._jobs), exc)
+            logger.warning("pgbroker.%s: %d job(s) not written while leaving the block on an "
+                           "exception: %s", self.name, len(self._jobs) + len(self._dead), exc)
             self.discard()
 
     def discard(self) -> None:
         self._jobs.clear()
+        self._dead.clear()
+
+    def hooks(self) -> contextlib.AbstractContextManager[None]:
+        """The connector's commit and rollback events, flushing as its kind awaits."""
+        if self.asynchronous:
+            return self.connector.hooks(self.flush, self.discard)  # type: ignore[arg-type]
+        return self.connector.hooks(lambda: _io.run_sync(self.flush()),  # type: ignore[arg-type]
+                                    self.discard)
 
 
 _target: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
@@ -96,27 +140,37 @@ _target: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
 
 def current_target() -> Target | None:
     """Where the transport's ``Channel._put`` must write: the innermost open
-    ``pgbroker.transaction`` of this context, or None (the broker's own connection)."""
+    ``pgbroker.transaction`` or ``atransaction`` of this context, or None (the broker's own
+    connection)."""
     return _target.get()
 
 
-@contextlib.contextmanager
-def joined(db: Any) -> Iterator[None]:
+def joined(db: Any) -> contextlib.AbstractContextManager[None]:
     """The body of :func:`pgbroker.transaction`: publishes in this context go to ``db``'s
     buffer, written at its commit event or when the block is left (dropped if the transaction
     already failed, or at its rollback event)."""
-    target = Target(db)
+    return _io.sync_context(_block(Target(connector_for(db), asynchronous=False)))
+
+
+def ajoined(db: Any) -> contextlib.AbstractAsyncContextManager[None]:
+    """The body of :func:`pgbroker.atransaction`: :func:`joined` for an asyncio ``db``."""
+    return _block(Target(aconnector_for(db), asynchronous=True))
+
+
+@contextlib.asynccontextmanager
+async def _block(target: Target) -> AsyncIterator[None]:
+    await target.open()
     token = _target.set(target)
     try:
-        with target.connector.hooks(target.flush, target.discard):
+        with target.hooks():
             try:
                 yield
             except Exception:
-                target.flush_on_error()
+                await target.flush_on_error()
                 raise
             except BaseException:
                 target.discard()
                 raise
-            target.flush()
+            await target.flush()
     finally:
         _target.reset(token)

@@ -84,9 +84,7 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         ConfigurationError: the app does not use a pgbroker broker.
         SchemaError: the database of ``db`` has no pgbroker schema.
     """
-    app = app_of(app, task)
-    settings = settings_of(app)
-    job = build(app, settings, task, args, kwargs, {
+    settings, job = job_for(app, task, args, kwargs, {
         "queue": queue, "idempotency_key": idempotency_key, "countdown": countdown, "eta": eta,
         "expires": expires, "priority": priority, "max_attempts": max_attempts,
         "headers": headers})
@@ -108,21 +106,10 @@ def enqueue_many(db: Db, jobs: Iterable[Sequence[Any]], *, app: Any = None,
     batch's are made from the first of their kind (see :class:`pgbroker._build.Templates`),
     which is much faster.
     """
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
-    settings_of_app: dict[int, Settings] = {}
-    built: list[tuple[Settings, NewJob | Planned]] = []
-    templates = Templates()
-    for index, item in enumerate(jobs):
-        task, args, kwargs, options = unpack(index, item)
-        item_app = app_of(app, task)
-        settings = settings_of_app.get(id(item_app))
-        if settings is None:
-            settings = settings_of_app[id(item_app)] = settings_of(item_app)
-        built.append((settings, templates.build(item_app, settings, task, args, kwargs, options)))
+    built, json_of = jobs_for(jobs, app, batch_size)
     if not built:
         return []
-    return _write.write(connector_for(db).connection(), built, batch_size, templates.json_of)
+    return _write.write(connector_for(db).connection(), built, batch_size, json_of)
 
 
 @contextlib.contextmanager
@@ -146,3 +133,33 @@ def transaction(db: Db) -> Iterator[None]:
     """
     with _target.joined(db):
         yield
+
+
+# -- what the synchronous and the asyncio forms (pgbroker.aio) share: no I/O -------------------
+
+def job_for(app: Any, task: Any, args: Any, kwargs: Any,
+            options: dict[str, Any]) -> tuple[Settings, NewJob]:
+    """The settings of the broker and the job :func:`enqueue` writes for these arguments and
+    :data:`OPTIONS` (checked: the errors :func:`enqueue` documents)."""
+    app = app_of(app, task)
+    settings = settings_of(app)
+    return settings, build(app, settings, task, args, kwargs, options)
+
+
+def jobs_for(jobs: Iterable[Sequence[Any]], app: Any, batch_size: Any,
+             ) -> tuple[list[tuple[Settings, NewJob | Planned]], dict[uuid.UUID, Any]]:
+    """What :func:`enqueue_many` writes for ``jobs``: each message built or planned, with its
+    settings, and the jsonb values already made (by job id); every item checked."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
+    settings_of_app: dict[int, Settings] = {}
+    built: list[tuple[Settings, NewJob | Planned]] = []
+    templates = Templates()
+    for index, item in enumerate(jobs):
+        task, args, kwargs, options = unpack(index, item)
+        item_app = app_of(app, task)
+        settings = settings_of_app.get(id(item_app))
+        if settings is None:
+            settings = settings_of_app[id(item_app)] = settings_of(item_app)
+        built.append((settings, templates.build(item_app, settings, task, args, kwargs, options)))
+    return built, templates.json_of

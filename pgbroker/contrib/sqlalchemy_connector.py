@@ -18,7 +18,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, scoped_session
 
-__all__ = ["SQLAlchemyConnector"]
+__all__ = ["SQLAlchemyConnector", "driver_of", "listening"]
 
 
 class SQLAlchemyConnector:
@@ -41,29 +41,40 @@ class SQLAlchemyConnector:
             db = db.connection()  # begins the session's transaction if none is open
         if not db.in_transaction():
             db.begin()  # what SQLAlchemy's autobegin does: the caller's commit ends it
-        driver = db.connection.driver_connection
-        if isinstance(driver, psycopg.Connection):
-            return driver
-        raise TypeError(
-            f"pgbroker needs the psycopg 3 driver, but this SQLAlchemy connection uses "
-            f"{db.dialect.name}+{db.dialect.driver}: create the engine with a "
-            "postgresql+psycopg:// URL")
+        return driver_of(db, db.connection.driver_connection, psycopg.Connection)
 
-    @contextlib.contextmanager
-    def hooks(self, flush: Callable[[], None], discard: Callable[[], None]) -> Iterator[None]:
-        """Flush before a commit, discard at a rollback (a Session's events outlive its
-        connections; a Connection's are its own)."""
+    def hooks(self, flush: Callable[[], None],
+              discard: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+        """Flush before a commit, discard at a rollback."""
         db = self.db() if isinstance(self.db, scoped_session) else self.db
-        on_flush = lambda *_: flush()  # noqa: E731
-        on_discard = lambda *_: discard()  # noqa: E731
-        if isinstance(db, Session):
-            listeners = [(db, "before_commit", on_flush), (db, "after_rollback", on_discard)]
-        else:
-            listeners = [(db, "commit", on_flush), (db, "rollback", on_discard)]
+        return listening(db, lambda *_: flush(), lambda *_: discard())
+
+
+def driver_of(db: Any, driver: Any, kind: type[Any]) -> Any:
+    """``driver``, the DBAPI connection under SQLAlchemy connection ``db``, if it is a psycopg
+    ``kind`` (``Connection`` or ``AsyncConnection``); else the TypeError that says so."""
+    if isinstance(driver, kind):
+        return driver
+    raise TypeError(
+        f"pgbroker needs the psycopg 3 driver, but this SQLAlchemy connection uses "
+        f"{db.dialect.name}+{db.dialect.driver}: create the engine with a "
+        "postgresql+psycopg:// URL")
+
+
+@contextlib.contextmanager
+def listening(db: Session | Connection, on_flush: Callable[..., None],
+              on_discard: Callable[..., None]) -> Iterator[None]:
+    """While open, ``on_flush`` before ``db`` commits and ``on_discard`` at its rollback,
+    called with the event's arguments (its first: the Session or Connection). A Session's
+    events outlive its connections; a Connection's are its own."""
+    if isinstance(db, Session):
+        listeners = [(db, "before_commit", on_flush), (db, "after_rollback", on_discard)]
+    else:
+        listeners = [(db, "commit", on_flush), (db, "rollback", on_discard)]
+    for target, name, fn in listeners:
+        event.listen(target, name, fn)
+    try:
+        yield
+    finally:
         for target, name, fn in listeners:
-            event.listen(target, name, fn)
-        try:
-            yield
-        finally:
-            for target, name, fn in listeners:
-                event.remove(target, name, fn)
+            event.remove(target, name, fn)

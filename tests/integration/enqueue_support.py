@@ -1,21 +1,30 @@
 """The caller's side of the enqueue tests: an application transaction through each kind of
-connection pgbroker accepts (shared by tests/integration/test_enqueue.py and
-tests/e2e/test_enqueue_worker.py)."""
+connection pgbroker accepts, synchronous (:class:`Caller`) and asyncio (:class:`AsyncCaller`)
+(shared by tests/integration/test_enqueue*.py and tests/e2e/test_enqueue_worker.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-__all__ = ["KINDS", "Caller", "Recorder", "pgbroker_inserts", "rows_of", "comparable"]
+__all__ = ["ASYNC_KINDS", "KINDS", "AsyncCaller", "AsyncRecorder", "Caller", "Recorder",
+           "asynchronous", "comparable", "opened", "pgbroker_inserts", "rows_of"]
 
 #: SQLAlchemy Session, SQLAlchemy Connection, raw psycopg 3 connection.
 KINDS = ["session", "sa_connection", "psycopg"]
+
+#: Their asyncio forms: SQLAlchemy AsyncSession and AsyncConnection, psycopg AsyncConnection.
+ASYNC_KINDS = ["async_session", "async_sa_connection", "async_psycopg"]
 
 
 class Recorder(psycopg.Cursor):
@@ -23,11 +32,23 @@ class Recorder(psycopg.Cursor):
 
     log: list[tuple[str, bool]] = []
 
+    @staticmethod
+    def note(cursor: Any, query: Any) -> None:
+        """Log ``query``, run by ``cursor``, and whether it went in a pipeline."""
+        pipeline = cursor.connection.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+        Recorder.log.append((query if isinstance(query, str) else str(query), pipeline))
+
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Recorder:
-        text_ = query if isinstance(query, str) else str(query)
-        in_pipeline = self.connection.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
-        Recorder.log.append((text_, in_pipeline))
+        Recorder.note(self, query)
         return super().execute(query, params, **kwargs)
+
+
+class AsyncRecorder(psycopg.AsyncCursor):
+    """:class:`Recorder` for an asyncio connection (into the same log)."""
+
+    async def execute(self, query: Any, params: Any = None, **kwargs: Any) -> AsyncRecorder:
+        Recorder.note(self, query)
+        return await super().execute(query, params, **kwargs)
 
 
 def pgbroker_inserts() -> list[tuple[str, bool]]:
@@ -97,3 +118,62 @@ class Caller:
         self.db.close()
         if self.engine is not None:
             self.engine.dispose()
+
+
+class AsyncCaller:
+    """One open transaction of an asyncio application, through one kind of async connection
+    (``await AsyncCaller.open(kind, db_url)``)."""
+
+    def __init__(self, kind: str, db: Any, engine: AsyncEngine | None):
+        self.kind = kind
+        self.db = db
+        self.engine = engine
+
+    @classmethod
+    async def open(cls, kind: str, db_url: str) -> AsyncCaller:
+        if kind == "async_psycopg":
+            conn = await psycopg.AsyncConnection.connect(db_url, cursor_factory=AsyncRecorder)
+            return cls(kind, conn, None)
+        engine = create_async_engine(  # postgresql+psycopg:// is psycopg's async driver here
+            db_url.replace("postgresql://", "postgresql+psycopg://", 1),
+            connect_args={"cursor_factory": AsyncRecorder})
+        if kind == "async_session":
+            return cls(kind, AsyncSession(engine), engine)
+        return cls(kind, await engine.connect(), engine)
+
+    async def execute(self, sql: str) -> list[Any]:
+        if self.kind == "async_psycopg":
+            cur = await self.db.execute(sql)
+            return await cur.fetchall() if cur.description else []
+        result = await self.db.execute(text(sql))
+        return list(result) if result.returns_rows else []
+
+    async def commit(self) -> None:
+        await self.db.commit()
+
+    async def rollback(self) -> None:
+        await self.db.rollback()
+
+    async def close(self) -> None:
+        await self.db.close()
+        if self.engine is not None:
+            await self.engine.dispose()
+
+
+@contextlib.asynccontextmanager
+async def opened(kind: str, db_url: str) -> AsyncIterator[AsyncCaller]:
+    """An :class:`AsyncCaller`, closed when the block is left."""
+    caller = await AsyncCaller.open(kind, db_url)
+    try:
+        yield caller
+    finally:
+        await caller.close()
+
+
+def asynchronous(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """A coroutine test function as a plain one (pytest runs it, with its fixtures): run on an
+    event loop of its own, so no pytest plugin is needed."""
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+    return run

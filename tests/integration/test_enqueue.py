@@ -450,43 +450,46 @@ def test_enqueue_many_with_keys_resolves_duplicates_in_the_same_round_trip(
 
 
 # -- bad input: a clear error, nothing written, the caller's transaction intact -----------------
+#
+# Each call takes ``api``: pgbroker for enqueue and enqueue_many (here), or their asyncio forms
+# aenqueue and aenqueue_many (tests/integration/test_aenqueue.py, which awaits the call).
 
-BAD_CALLS: list[tuple[str, Callable[[Any, Celery], Any], type[Exception], str]] = [
-    ("args not a list", lambda db, app: pgbroker.enqueue(db, "t.add", "12", app=app),
+BAD_CALLS: list[tuple[str, Callable[[Any, Any, Celery], Any], type[Exception], str]] = [
+    ("args not a list", lambda api, db, app: api.enqueue(db, "t.add", "12", app=app),
      TypeError, "must be a list or tuple"),
-    ("kwargs not a mapping", lambda db, app: pgbroker.enqueue(db, "t.add", (), [1], app=app),
+    ("kwargs not a mapping", lambda api, db, app: api.enqueue(db, "t.add", (), [1], app=app),
      TypeError, "must be a mapping"),
-    ("wrong arguments", lambda db, app: pgbroker.enqueue(db, app.tasks["t.add"], (1,)),
+    ("wrong arguments", lambda api, db, app: api.enqueue(db, app.tasks["t.add"], (1,)),
      TypeError, "missing"),
-    ("not a task", lambda db, app: pgbroker.enqueue(db, 42, app=app), TypeError, "Celery task"),
-    ("empty task name", lambda db, app: pgbroker.enqueue(db, "", app=app), MessageError, "empty"),
-    ("bad queue", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app, queue="a\x00"),
+    ("not a task", lambda api, db, app: api.enqueue(db, 42, app=app), TypeError, "Celery task"),
+    ("empty task name", lambda api, db, app: api.enqueue(db, "", app=app), MessageError, "empty"),
+    ("bad queue", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app, queue="a\x00"),
      MessageError, "NUL"),
-    ("bad priority", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app, priority=300),
+    ("bad priority", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app, priority=300),
      MessageError, "priority"),
-    ("bad eta", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app, eta=5),
+    ("bad eta", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app, eta=5),
      MessageError, "eta must be"),
-    ("unparsable eta", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app, eta="soon"),
+    ("unparsable eta", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app, eta="soon"),
      MessageError, "ISO 8601"),
-    ("bad countdown", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app,
+    ("bad countdown", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app,
                                                        countdown="5"), MessageError, "countdown"),
-    ("bad max_attempts", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app,
+    ("bad max_attempts", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app,
                                                           max_attempts=0),
      MessageError, "max_attempts"),
-    ("bad headers", lambda db, app: pgbroker.enqueue(db, "t.add", (1, 2), app=app, headers=[1]),
+    ("bad headers", lambda api, db, app: api.enqueue(db, "t.add", (1, 2), app=app, headers=[1]),
      MessageError, "headers must be a mapping"),
-    ("two different keys", lambda db, app: pgbroker.enqueue(
+    ("two different keys", lambda api, db, app: api.enqueue(
         db, "t.pay", (1,), app=app, idempotency_key="a", headers={"idempotency_key": "b"}),
      MessageError, "given twice"),
-    ("unknown option", lambda db, app: pgbroker.enqueue_many(
+    ("unknown option", lambda api, db, app: api.enqueue_many(
         db, [("t.add", (1, 2), None, {"countdwn": 1})], app=app), TypeError, "countdwn"),
-    ("bad item", lambda db, app: pgbroker.enqueue_many(db, ["t.add"], app=app),
+    ("bad item", lambda api, db, app: api.enqueue_many(db, ["t.add"], app=app),
      TypeError, "item 0"),
-    ("bad options", lambda db, app: pgbroker.enqueue_many(db, [("t.add", (), None, 5)], app=app),
+    ("bad options", lambda api, db, app: api.enqueue_many(db, [("t.add", (), None, 5)], app=app),
      TypeError, "options must be a dict"),
-    ("bad batch size", lambda db, app: pgbroker.enqueue_many(db, [], app=app, batch_size=0),
+    ("bad batch size", lambda api, db, app: api.enqueue_many(db, [], app=app, batch_size=0),
      ValueError, "batch_size"),
-    ("bad item among good ones", lambda db, app: pgbroker.enqueue_many(
+    ("bad item among good ones", lambda api, db, app: api.enqueue_many(
         db, [("t.add", (1, 2)), ("t.pay", (1,)), ("t.add", (3, 4))], app=app),
      IdempotencyKeyRequired, "requires an idempotency key"),
 ]
@@ -495,11 +498,11 @@ BAD_CALLS: list[tuple[str, Callable[[Any, Celery], Any], type[Exception], str]] 
 @pytest.mark.parametrize("call, error, match", [c[1:] for c in BAD_CALLS],
                          ids=[c[0] for c in BAD_CALLS])
 def test_bad_input_is_refused_before_anything_is_written(
-        raw: Caller, app: Celery, pg: psycopg.Connection, call: Callable[[Any, Celery], Any],
-        error: type[Exception], match: str) -> None:
+        raw: Caller, app: Celery, pg: psycopg.Connection,
+        call: Callable[[Any, Any, Celery], Any], error: type[Exception], match: str) -> None:
     raw.execute("INSERT INTO public.things VALUES ('kept')")
     with pytest.raises(error, match=match):
-        call(raw.db, app)
+        call(pgbroker, raw.db, app)
     raw.execute("INSERT INTO public.things VALUES ('kept too')")
     raw.commit()
     assert things(pg) == ["kept", "kept too"] and jobs(pg) == []
