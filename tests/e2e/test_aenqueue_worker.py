@@ -15,8 +15,8 @@ from celery import Celery
 
 import pgbroker
 from tests.e2e import app as e2e
-from tests.e2e.support import key_runs, producer, runs, start_worker  # noqa: F401 - fixtures
-from tests.helpers import wait_for
+from tests.e2e.support import key_runs, start_worker
+from tests.support.processes import wait_for
 from tests.integration.enqueue_support import ASYNC_KINDS, opened
 
 NO_POLLING = {"poll_interval": 60}
