@@ -11,7 +11,7 @@ event loop (:meth:`Consumer.register`) and in ``drain_events`` (:meth:`Consumer.
 ``Channel`` and ``QoS`` (:mod:`pgbroker.transport`) only call it.
 
 What it asks of a channel: ``queues`` (the consumed ones), ``claims`` (its policy and deferred
-acks), ``qos`` and ``hand_over_rows(queue, rows)``.
+acks), ``qos``, ``flush_acks()`` and ``handed_over(queue, tags)``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import os
 import socket
 import threading
-import uuid
 from collections.abc import Callable
 from time import monotonic
 from typing import Any
@@ -32,11 +31,12 @@ from . import _db
 from ._claims import WAKE_COALESCE, ClaimPolicy, Delivery
 from ._lease import Lease
 from ._loop import LoopStatements
-from ._messages import kombu_payload
+from ._delivery import Broadcasts, broadcast_payload, row_payload
+from ._messages import parse_delivery_tag
 from ._routing import matches
 from ._settle import RETRY as SETTLE_RETRY
 from ._settle import Settler
-from ._store import BROADCAST_TTL, JobRow, Store
+from ._store import JobRow, Store
 from .settings import Settings
 
 __all__ = ["Consumer"]
@@ -47,13 +47,15 @@ class Consumer:
     """LISTEN, claims and deliveries of one kombu transport (see the module docstring)."""
 
     def __init__(self, store: Store, settings: Settings, conninfo: str, channels: list[Any],
-                 state: Any, deliver: Callable[[dict[str, Any], str], None]):
+                 state: Any, deliver: Callable[[dict[str, Any], str], None],
+                 connection_errors: tuple[type[BaseException], ...]):
         self.store = store
         self.settings = settings
         self.conninfo = conninfo
         self.channels = channels  # the transport's list of channels (kombu keeps it)
         self._state = state       # kombu's BrokerState: the bindings this process declared
         self._deliver = deliver   # kombu's hand-over to the consumer callback of a queue
+        self._connection_errors = connection_errors  # the transport's: never a job's fault
         self._lease: Lease | None = None
         self._listener: psycopg.Connection[Any] | None = None
         #: the event loop's claims and acks, sent on the LISTEN connection without waiting
@@ -80,8 +82,7 @@ class Consumer:
         #: wake-ups held back (ClaimPolicy.wake) until then, and its timer in the event loop
         self._wake_due: float | None = None
         self._wake_entry: Any = None
-        #: broadcast id -> when it was delivered here (see _deliver_broadcast)
-        self._broadcasts_seen: dict[str, float] = {}
+        self._broadcasts = Broadcasts(store)  # each delivered here once
 
     # -- connections: the LISTEN one and the lease's -----------------------------------------
 
@@ -207,17 +208,53 @@ class Consumer:
         else:
             self._ready.append((channel, payload, queue))
 
-    def give_back(self, channel: Any, parse: Callable[[str], Any]) -> None:
-        """Requeue what ``channel`` claimed but has not handed over yet (it is closing);
-        ``parse``: a delivery tag to ``(id, attempt, transient)`` or None."""
+    def give_back(self, channel: Any) -> None:
+        """Requeue what ``channel`` claimed but has not handed over yet (it is closing)."""
         kept = [item for item in self._ready if item[0] is not channel]
         mine = [item[1]["properties"]["delivery_tag"] for item in self._ready
                 if item[0] is channel]
         self._ready.clear()
         self._ready.extend(kept)
-        deliveries = [d[:2] for d in map(parse, mine) if d is not None and not d[2]]
+        deliveries = [d[:2] for d in map(parse_delivery_tag, mine) if d is not None and not d[2]]
         if deliveries:
             self.settle_rows("requeue", deliveries, "restored unacked")
+
+    def hand_over_rows(self, channel: Any, queue: str, rows: list[JobRow]) -> int:
+        """Hand claimed rows to ``channel``'s consumer of ``queue``; returns how many were handed over.
+
+        A row the consumer's own code fails on before running it (Celery raised, for a
+        protocol-2 body that is not ``[args, kwargs, embed]``, and its worker exited) goes dead
+        with the cause, alone: the rest of the batch is handed over, and no other worker is
+        crashed by a redelivery of it."""
+        handed = []
+        for row in rows:
+            payload = self.payload(row)
+            if payload is None:
+                continue
+            tag = payload["properties"]["delivery_tag"]
+            try:
+                self.hand_over(channel, payload, row.queue)
+            except self._connection_errors:
+                raise
+            except Exception as exc:  # noqa: BLE001 - see above
+                reason = (f"the consumer failed on it before running it: "
+                          f"{type(exc).__name__}: {exc}")
+                logger.error("pgbroker: job %s goes dead: %s", row.id, reason, exc_info=True)
+                channel.qos.refuse(tag, (row.id, row.attempt), reason)
+                continue
+            handed.append(tag)
+        channel.handed_over(queue, handed)
+        return len(handed)
+
+    def payload(self, row: JobRow) -> dict[str, Any] | None:
+        """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""
+        try:
+            return row_payload(row)
+        except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer
+            logger.error("pgbroker: job %s is malformed and goes dead: %s", row.id, exc)
+            self.settle_rows("bury", [(row.id, row.attempt)],
+                             f"malformed job row: {type(exc).__name__}: {exc}")
+            return None
 
     # -- claims: one policy, two paths -------------------------------------------------------
 
@@ -239,7 +276,7 @@ class Consumer:
             rows = self.store.claim(queue, want, consumer, policy.take_acks(), locked)
             self.settle_later("ack", locked)
             full = full or len(rows) >= want
-            delivered += channel.hand_over_rows(queue, rows)
+            delivered += self.hand_over_rows(channel, queue, rows)
             if delivered >= limit:
                 break
         policy.claimed(delivered > 0, full)
@@ -260,7 +297,7 @@ class Consumer:
 
     def _claimed(self, channel: Any, queue: str, want: int, rows: list[JobRow]) -> None:
         """Hand over the rows of a claim sent by :meth:`_send_claim`."""
-        channel.hand_over_rows(queue, rows)
+        self.hand_over_rows(channel, queue, rows)
         channel.claims.claimed(bool(rows), len(rows) >= want)
 
     def _wake_channel(self, channel: Any) -> None:
@@ -301,36 +338,20 @@ class Consumer:
         bound = [(channel, queue, key) for channel in self.channels
                  for queue in channel.queues
                  for ex, key, _ in self._state.queue_bindings(queue) if ex == exchange]
-        if not bound or broadcast_id in self._broadcasts_seen:
+        if not bound or self._broadcasts.seen(broadcast_id):
             return 0
-        try:
-            row = self.store.broadcast_get(uuid.UUID(broadcast_id), BROADCAST_TTL)
-        except ValueError:
+        row = self._broadcasts.read(broadcast_id, exchange)
+        if row is None:
             return 0
-        if row is None or row[0] != exchange:  # pruned already, or a spoofed exchange
-            return 0
-        self._seen_broadcast(broadcast_id)
-        _, routing_key, body, content_type, content_encoding, headers, properties, queues = row
+        routing_key, queues = row[1], row[7]
         kind = self._state.exchanges.get(exchange, {}).get("type", "fanout")
         delivered = 0
         for n, (channel, queue, key) in enumerate(bound):
             # (a fanout's broadcast is for its auto-delete queues: the others got a job)
             if (queues is None or queue in queues) and matches(kind, key, routing_key):
-                self.hand_over(channel, kombu_payload(
-                    body, content_type, content_encoding, headers, properties, exchange,
-                    routing_key, 0, f"b/{broadcast_id}/{n}", redelivered=False), queue)
+                self.hand_over(channel, broadcast_payload(row, broadcast_id, n), queue)
                 delivered += 1
         return delivered
-
-    def _seen_broadcast(self, broadcast_id: str) -> None:
-        now = monotonic()
-        seen = self._broadcasts_seen
-        seen[broadcast_id] = now
-        while seen:  # oldest first (insertion order): forget what can no longer be read
-            oldest = next(iter(seen))
-            if now - seen[oldest] < 2 * BROADCAST_TTL:
-                break
-            del seen[oldest]
 
     # -- timers: held wake-ups, due jobs, the poll -------------------------------------------
 

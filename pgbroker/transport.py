@@ -36,7 +36,6 @@ This module is kombu glue: ``Channel`` and ``QoS`` call the connection's
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import uuid
@@ -45,42 +44,33 @@ from time import monotonic
 from typing import Any
 
 import psycopg
-import uuid6
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.virtual.base import UNDELIVERABLE_FMT, UndeliverableWarning
-from kombu.transport.virtual.exchange import (
-    STANDARD_EXCHANGE_TYPES,
-    DirectExchange,
-    TopicExchange,
-)
+from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from . import _db, _revoke
+from . import _db
 from ._claims import ClaimPolicy
 from ._consumer import Consumer
 from ._lease import Lease
+from ._loop import LoopStatements
 from ._messages import (
     MAX_NAME_LENGTH,
     REQUEUED,
     TRANSIENT,
-    _delivery_tag,
-    due_now,
-    kombu_payload,
     message_to_job,
     parse_delivery_tag,
     validate_binding,
     validate_queue_name,
 )
-from ._loop import LoopStatements
-from ._routing import matches, topic_matches
-from ._store import JobRow, NewJob, Store
-from ._text import Unreadable
-from ._target import current_target
+from ._publish import UNROUTABLE, Publisher
+from ._routing import RoutingDirectExchange, RoutingTopicExchange, matches
+from ._store import Store
 from .errors import MessageError
 from .settings import Settings
 
-__all__ = ["Transport", "Channel", "QoS", "Message", "MAX_NAME_LENGTH",
+__all__ = ["Transport", "Channel", "QoS", "Message", "MAX_NAME_LENGTH", "UNROUTABLE",
            "message_to_job", "parse_delivery_tag", "validate_queue_name"]
 
 logger = logging.getLogger(__name__)
@@ -88,8 +78,6 @@ logger = logging.getLogger(__name__)
 #: Seconds a process trusts what it read of an exchange's bindings before reading them again.
 BINDINGS_TTL = 1.0
 
-#: The queue of the dead letters of unroutable messages (see Channel._unroutable).
-UNROUTABLE = "pgbroker.unroutable"
 
 class Message(virtual.Message):
     """A delivered message that remembers why it could not be decoded.
@@ -179,37 +167,13 @@ class QoS(virtual.QoS):
         super().restore_unacked_once(stderr)
 
 
-class _DirectExchange(DirectExchange):
-    """Direct routing; a message no binding matches is the channel's to decide (``_unroutable``)
-    rather than dropped without a word."""
-
-    def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
-                **kwargs: Any) -> None:
-        self.channel._route(message, exchange, routing_key, **kwargs)
-
-
-class _TopicExchange(TopicExchange):
-    """Topic routing like AMQP; a transient message (worker events) goes to the live consumers
-    as a broadcast instead of a row per bound queue, so events never pile up in ``jobs``."""
-
-    def lookup(self, table: Any, exchange: str, routing_key: str, default: Any) -> set[str]:
-        return {queue for key, _, queue in table if topic_matches(key, routing_key)}
-
-    def deliver(self, message: dict[str, Any], exchange: str, routing_key: str,
-                **kwargs: Any) -> None:
-        if message["properties"].get("delivery_mode") == TRANSIENT:
-            self.channel._broadcast(exchange, message)
-        else:
-            self.channel._route(message, exchange, routing_key, **kwargs)
-
-
 class Channel(virtual.Channel):
     """A kombu channel over the ``jobs`` table."""
 
     QoS = QoS
     Message = Message
-    exchange_types = {**STANDARD_EXCHANGE_TYPES, "direct": _DirectExchange,
-                      "topic": _TopicExchange}
+    exchange_types = {**STANDARD_EXCHANGE_TYPES, "direct": RoutingDirectExchange,
+                      "topic": RoutingTopicExchange}
     supports_fanout = True  # bindings are in the database: every process sees them
     body_encoding = None  # the body is stored as bytes; no base64 detour
     default_priority = 0
@@ -222,6 +186,7 @@ class Channel(virtual.Channel):
         self.store: Store = connection.store
         self.consumer: Consumer = connection.consumer
         self.settings: Settings = connection.settings
+        self.publisher = Publisher(self.store, self.settings)
         #: which queue next, how many, whether a claim may find any; the deferred acks
         self.claims = ClaimPolicy(self.settings.claim_batch_max)
         self._undecodable: dict[str, str] = {}
@@ -302,7 +267,7 @@ class Channel(virtual.Channel):
         return [queue for key, queue in self.store.bindings(exchange)
                 if matches(kind, key, routing_key)]
 
-    def _route(self, message: dict[str, Any], exchange: str, routing_key: str,
+    def route(self, message: dict[str, Any], exchange: str, routing_key: str,
                **kwargs: Any) -> None:
         """Put a direct or topic message into every queue it matches."""
         queues = [queue for queue in self._lookup(exchange, routing_key) if queue]
@@ -333,49 +298,19 @@ class Channel(virtual.Channel):
         if self.deadletter_queue:
             self._new_queue(self.deadletter_queue)
             return self._put(self.deadletter_queue, message, **kwargs)
-        job = dataclasses.replace(self.new_job(UNROUTABLE, message), idempotency_key=None)
-        target = current_target()
-        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
-            target.add_dead(job, self.settings, reason)
-        else:
-            self.store.insert_dead(job, reason)
-        logger.warning("pgbroker: %s; kept as a dead letter of queue %r", reason, UNROUTABLE)
+        self.publisher.dead_letter(message, reason)
         return None
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
-        """A message to a fanout exchange, as AMQP routes it: a job in every bound queue
-        declared without auto-delete (or exclusive), where it waits until consumed; and a
-        broadcast for the auto-delete ones (Celery's mailboxes and ``Broadcast`` queues), which
-        exist only while consumed. Nobody bound: nothing is written. A revoke is also written
-        to the jobs it names, bound or not (:mod:`pgbroker._revoke`)."""
-        job = self.new_job(None, message)
-        revoke = _revoke.request_of(exchange, message)
-        if revoke is not None:
-            _revoke.apply(self.store, revoke, job, via="celery revoke")
-            return
-        target = current_target()
-        if target is None:
-            self.store.fanout(job)  # one statement
-            return
-        # inside pgbroker.transaction(db): the jobs are written by the caller's transaction
-        transient = []
-        for queue, stored in self.store.fanout_queues(exchange):
-            if stored:
-                target.add(dataclasses.replace(job, id=uuid6.uuid7(), queue=queue),
-                           self.settings)
-            else:
-                transient.append(queue)
-        if transient:
-            self.store.broadcast(job, transient)
+        self.publisher.fanout(exchange, message)  # jobs and a broadcast, as AMQP routes it
 
-    def _broadcast(self, exchange: str, message: dict[str, Any]) -> None:
+    def broadcast(self, exchange: str, message: dict[str, Any]) -> None:
         """A transient message to a topic exchange (worker events): one row, read by every
         process consuming a queue bound to ``exchange`` whose binding matches. Nobody bound (no
         monitor running): nothing is written."""
-        if not self._bindings(exchange):
-            return
-        self.store.broadcast(self.new_job(None, message))
+        if self._bindings(exchange):
+            self.publisher.broadcast(message)
 
     # -- queues ----------------------------------------------------------------------------------
 
@@ -428,15 +363,7 @@ class Channel(virtual.Channel):
         return super().basic_publish(message, exchange, routing_key, **kwargs)
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        job = self.new_job(queue, message)
-        target = current_target()
-        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
-            target.add(job, self.settings)
-        else:
-            self.store.insert(job)
-
-    def new_job(self, queue: str | None, message: dict[str, Any]) -> NewJob:
-        return message_to_job(self.settings, queue, message)
+        self.publisher.put(queue, message)
 
     # -- consume ---------------------------------------------------------------------------------
 
@@ -478,7 +405,7 @@ class Channel(virtual.Channel):
         consumer = self.consumer.lease.ensure()
         self.store.promote([queue])
         for row in self.store.claim(queue, 1, consumer):
-            payload = self._payload(row)
+            payload = self.consumer.payload(row)
             if payload is not None:
                 return payload
         raise virtual.Empty()
@@ -495,53 +422,10 @@ class Channel(virtual.Channel):
         """Write the deferred acks now."""
         self.consumer.flush_acks(self)
 
-    def hand_over_rows(self, queue: str, rows: list[JobRow]) -> int:
-        """Hand claimed rows to the consumer of ``queue``; returns how many were handed over.
-
-        A row the consumer's own code fails on before running it (Celery raised, for a
-        protocol-2 body that is not ``[args, kwargs, embed]``, and its worker exited) goes dead
-        with the cause, alone: the rest of the batch is handed over, and no other worker is
-        crashed by a redelivery of it."""
-        handed = []
-        for row in rows:
-            payload = self._payload(row)
-            if payload is None:
-                continue
-            tag = payload["properties"]["delivery_tag"]
-            try:
-                self.consumer.hand_over(self, payload, row.queue)
-            except self.transport.connection_errors:
-                raise
-            except Exception as exc:  # noqa: BLE001 - see above
-                reason = (f"the consumer failed on it before running it: "
-                          f"{type(exc).__name__}: {exc}")
-                logger.error("pgbroker: job %s goes dead: %s", row.id, reason, exc_info=True)
-                self.qos.refuse(tag, (row.id, row.attempt), reason)
-                continue
-            handed.append(tag)
-        if handed and queue in self._no_ack:
-            self._ack_at_claim(handed)
-        return len(handed)
-
-    def _payload(self, row: JobRow) -> dict[str, Any] | None:
-        """The kombu payload of a claimed row; a row that cannot be one goes dead, with why."""
-        try:
-            for what, value in (("headers", row.headers), ("properties", row.properties)):
-                if isinstance(value, Unreadable):  # see pgbroker._text.load_jsonb
-                    raise ValueError(f"its {what} cannot be read back: {value.reason}")
-                if not isinstance(value, dict):
-                    raise TypeError("headers and properties must be JSON objects")
-            tag = _delivery_tag(row.id, row.attempt,
-                                row.properties.get("delivery_mode") == TRANSIENT)
-            headers = due_now(row.headers)  # due by the database clock: by this one too
-            return kombu_payload(row.body, row.content_type, row.content_encoding, headers,
-                                 row.properties, row.exchange, row.routing_key, row.priority,
-                                 tag, redelivered=row.attempt > 1)
-        except Exception as exc:  # noqa: BLE001 - any malformed row must not stop the consumer
-            logger.error("pgbroker: job %s is malformed and goes dead: %s", row.id, exc)
-            self.consumer.settle_rows("bury", [(row.id, row.attempt)],
-                                       f"malformed job row: {type(exc).__name__}: {exc}")
-            return None
+    def handed_over(self, queue: str, tags: list[str]) -> None:
+        """The Consumer handed these deliveries of ``queue`` over (a no_ack queue's are done)."""
+        if tags and queue in self._no_ack:
+            self._ack_at_claim(tags)
 
     def basic_recover(self, requeue: bool = False) -> Any:
         if not requeue:
@@ -551,7 +435,7 @@ class Channel(virtual.Channel):
     def close(self) -> None:
         if not self.closed:
             try:
-                self.consumer.give_back(self, parse_delivery_tag)
+                self.consumer.give_back(self)
                 self.flush_acks()
             except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
                 logger.warning("pgbroker: %d ack(s) not written at close: %s",
@@ -591,7 +475,7 @@ class Transport(virtual.Transport):
         self.store = Store(self.conninfo, self.settings)
         #: LISTEN, claims, timers and the event loop of this connection's channels
         self.consumer = Consumer(self.store, self.settings, self.conninfo, self.channels,
-                                 self.state, self._deliver)
+                                 self.state, self._deliver, self.connection_errors)
 
     #: kept for callers of the old name (``_db.kombu_conninfo`` is the one to call)
     _conninfo = staticmethod(_db.kombu_conninfo)
