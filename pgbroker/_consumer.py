@@ -10,6 +10,10 @@ event loop (:meth:`Consumer.register`) and in ``drain_events`` (:meth:`Consumer.
 (:mod:`pgbroker._claims`).
 ``Channel`` and ``QoS`` (:mod:`pgbroker.transport`) only call it.
 
+Connections: a consuming broker connection opens three, the store's (``Transport.store``:
+publishes, acks outside the loop), the LISTEN one (:meth:`Consumer.listen`, which also carries
+the event loop's claims) and the lease's (:mod:`pgbroker._lease`, its own store).
+
 What it asks of a channel: ``queues`` (the consumed ones), ``claims`` (its policy and deferred
 acks), ``qos``, ``flush_acks()`` and ``handed_over(queue, tags)``.
 """

@@ -11,7 +11,7 @@ import uuid
 from time import monotonic
 from typing import Any
 
-from ._messages import TRANSIENT, _delivery_tag, due_now, kombu_payload
+from ._messages import TRANSIENT, delivery_tag, due_now, kombu_payload
 from ._store import BROADCAST_TTL, JobRow, Store
 from ._text import Unreadable
 
@@ -25,7 +25,7 @@ def row_payload(row: JobRow) -> dict[str, Any]:
             raise ValueError(f"its {what} cannot be read back: {value.reason}")
         if not isinstance(value, dict):
             raise TypeError("headers and properties must be JSON objects")
-    tag = _delivery_tag(row.id, row.attempt, row.properties.get("delivery_mode") == TRANSIENT)
+    tag = delivery_tag(row.id, row.attempt, row.properties.get("delivery_mode") == TRANSIENT)
     headers = due_now(row.headers)  # due by the database clock: by this one too
     return kombu_payload(row.body, row.content_type, row.content_encoding, headers,
                          row.properties, row.exchange, row.routing_key, row.priority,

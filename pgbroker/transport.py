@@ -45,7 +45,7 @@ from typing import Any
 
 import psycopg
 from kombu.exceptions import ChannelError
-from kombu.transport import virtual
+from kombu.transport import TRANSPORT_ALIASES, virtual
 from kombu.transport.virtual.base import UNDELIVERABLE_FMT, UndeliverableWarning
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
 from kombu.transport.base import to_rabbitmq_queue_arguments
@@ -526,7 +526,5 @@ class Transport(virtual.Transport):
 
 def _register() -> None:
     """Register the ``pgbroker`` URL scheme with kombu (done by ``import pgbroker``)."""
-    from kombu.transport import TRANSPORT_ALIASES
-
     TRANSPORT_ALIASES.setdefault("pgbroker", "pgbroker.transport:Transport")
 
