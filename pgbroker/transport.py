@@ -268,7 +268,7 @@ class Channel(virtual.Channel):
                 if matches(kind, key, routing_key)]
 
     def route(self, message: dict[str, Any], exchange: str, routing_key: str,
-               **kwargs: Any) -> None:
+              **kwargs: Any) -> None:
         """Put a direct or topic message into every queue it matches."""
         queues = [queue for queue in self._lookup(exchange, routing_key) if queue]
         if not queues:
@@ -489,6 +489,7 @@ class Transport(virtual.Transport):
         """The event loop's claim in flight: (channel, queue, how many were asked for)."""
         return self.consumer.in_flight
 
+    # (the tests of the event loop look at these two)
     @property
     def _line(self) -> LoopStatements | None:
         return self.consumer.line
