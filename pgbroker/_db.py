@@ -1,8 +1,10 @@
-"""The one module that owns the driver: connections, URL handling and error translation.
+"""The one module that owns the driver: connections, URL handling, LISTEN and error translation.
 
-Every connection is opened here, with TCP keepalives so that a dead peer is noticed, the session
-time zone pinned to UTC, and the process id recorded: a connection inherited through ``fork()``
-is never used or closed by the child (closing it would end the parent's session).
+Every connection is opened here (:func:`connect`; :func:`listen` for a LISTEN connection), with
+TCP keepalives so that a dead peer is noticed, the session time zone pinned to UTC, and the
+process id recorded: a connection inherited through ``fork()`` is never used or closed by the
+child (closing it would end the parent's session). A kombu connection's fields become a libpq
+conninfo in :func:`kombu_conninfo`. (A connection to a migrated schema: ``migrate.connect_ready``.)
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -110,6 +113,33 @@ def mask_password(url: str, mask: str = "**") -> str:
         return "<unparsable URL>"
 
 
+def kombu_conninfo(client: Any) -> str:
+    """The libpq conninfo of a kombu connection (``client``): a ``pgbroker+postgresql://`` URL
+    as libpq reads it, a key=value string as given, else the fields kombu parsed from a
+    ``pgbroker://`` URL (or got as arguments)."""
+    hostname = client.hostname
+    if hostname and "://" in hostname:  # pgbroker+postgresql://...: a libpq URL
+        # Keep the password out of the URL kombu shows (inspect stats prints the hostname,
+        # as_uri formats it): it moves to kombu's password field, which Celery never
+        # prints, and the URL keeps "**" where it was.
+        bare, password = split_password(hostname)
+        if password is not None:
+            client.hostname = mask_password(hostname)
+            client.password = client.password or password
+        url = libpq_url(bare)
+        if client.password:
+            return psycopg.conninfo.make_conninfo(url, password=client.password)
+        return url
+    if hostname and "=" in hostname:  # a key=value conninfo string
+        return hostname
+    # a pgbroker:// URL kombu parsed, or separate arguments; no host ("pgbroker://"):
+    # libpq's defaults (PGHOST, the local socket)
+    dbname = client.virtual_host if client.virtual_host not in (None, "", "/") else None
+    return psycopg.conninfo.make_conninfo(
+        host=hostname or None, port=client.port or None, user=client.userid or None,
+        password=client.password or None, dbname=dbname)
+
+
 def connect_kwargs(application_name: str = "pgbroker",
                    connect_timeout: float = 10.0) -> dict[str, Any]:
     """The libpq parameters of every pgbroker connection (keepalives, so a dead peer is
@@ -159,6 +189,51 @@ def owned(conn: psycopg.Connection[Any] | None) -> bool:
     return (conn is not None and not conn.closed
             and getattr(conn, "_pgbroker_pid", None) == os.getpid())
 
+
+# -- LISTEN ----------------------------------------------------------------------------------------
+
+def listen(conninfo: str, channel: str, *, connect_timeout: float = 10.0,
+           application_name: str = "pgbroker listen",
+           what: str = "LISTEN") -> psycopg.Connection[Any]:
+    """A new connection that LISTENs on ``channel`` (closed again if the LISTEN fails)."""
+    conn = connect(conninfo, connect_timeout=connect_timeout, application_name=application_name)
+    try:
+        with translate_errors(what):
+            conn.execute(f'LISTEN "{channel}"')
+    except BaseException:
+        close(conn)
+        raise
+    return conn
+
+
+def wait_readable(fd: int, timeout: float) -> bool:
+    """Wait until ``fd`` is readable or ``timeout`` seconds pass; True if it is. poll() where
+    there is one (select() fails on descriptors above 1023); looked up per call, so that
+    gevent's patching applies."""
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        return bool(select.select([fd], [], [], timeout)[0])
+    poller = poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(timeout * 1000))
+
+
+def notifications(conn: psycopg.Connection[Any], what: str = "the LISTEN connection") -> list[str]:
+    """The payloads of the notifications that arrived on ``conn``, in order; never blocks
+    (libpq reads what is there). A connection the server closed raises
+    :class:`DatabaseUnavailable` ("``what`` was closed by the server"); the caller translates
+    the driver's own errors (:func:`translate_errors`)."""
+    pgconn = conn.pgconn
+    pgconn.consume_input()
+    if pgconn.status != psycopg.pq.ConnStatus.OK:
+        raise DatabaseUnavailable(f"{what} was closed by the server")
+    payloads = []
+    while (note := pgconn.notifies()) is not None:
+        payloads.append(note.extra.decode("utf-8", "replace"))
+    return payloads
+
+
+# -- errors ----------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def translate_errors(what: str) -> Iterator[None]:

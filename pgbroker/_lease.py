@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from . import _db
+from ._sql import Queries
 from ._store import Store
 from .sweeper import Sweeper, lock_class
 
@@ -39,6 +39,7 @@ class Lease:
         self._store = Store(store.conninfo, store.settings, application_name="pgbroker lease")
         self._lock_class = lock_class(self.settings.schema)
         self._lock_key: int | None = None
+        self._q = Queries(self.settings.schema)
         self._sweeper = Sweeper(self._store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,18 +71,17 @@ class Lease:
         self._store.register_consumer(self.id, self._queues(), self._lock_key)
 
     def _take_lock(self, conn: psycopg.Connection[Any]) -> int:
-        with _db.translate_errors("taking the consumer lock"):
-            if self._lock_key is not None:
-                row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
-                                   (self._lock_class, self._lock_key)).fetchone()
-                if row and row[0]:
-                    return self._lock_key
-            while True:  # a random key; another consumer holding the same one is vanishingly rare
-                key = random.randint(1, 0x7FFFFFFF)
-                row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
-                                   (self._lock_class, key)).fetchone()
-                if row and row[0]:
-                    return key
+        if self._lock_key is not None and self._try_lock(conn, self._lock_key):
+            return self._lock_key
+        while True:  # a random key; another consumer holding the same one is vanishingly rare
+            key = random.randint(1, 0x7FFFFFFF)
+            if self._try_lock(conn, key):
+                return key
+
+    def _try_lock(self, conn: psycopg.Connection[Any], key: int) -> bool:
+        row = self._q.one(conn, "consumer_lock_try", {"class": self._lock_class, "key": key},
+                          what="taking the consumer lock")
+        return bool(row and row[0])
 
     def _run(self) -> None:
         next_sweep = time.monotonic() + random.uniform(0, self.settings.sweep_interval)

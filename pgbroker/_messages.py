@@ -19,7 +19,7 @@ from .settings import Settings
 
 __all__ = ["MAX_NAME_LENGTH", "MAX_NAME_BYTES", "MAX_BINDING_BYTES", "MAX_ID_BYTES",
            "TRANSIENT", "REQUEUED", "validate_queue_name", "validate_binding",
-           "parse_delivery_tag", "message_to_job", "kombu_payload", "due_now"]
+           "delivery_tag", "parse_delivery_tag", "message_to_job", "kombu_payload", "due_now"]
 
 #: Longest queue, exchange or routing key name accepted (Celery's reply queues are ~55 characters).
 MAX_NAME_LENGTH = 1000
@@ -110,7 +110,8 @@ def _retries(headers: dict[str, Any]) -> int:
     return retries
 
 
-def _delivery_tag(job_id: uuid.UUID, attempt: int, transient: bool = False) -> str:
+def delivery_tag(job_id: uuid.UUID, attempt: int, transient: bool = False) -> str:
+    """The delivery tag of a job's attempt (see :func:`parse_delivery_tag`)."""
     return f"{job_id}/{attempt}/t" if transient else f"{job_id}/{attempt}"
 
 

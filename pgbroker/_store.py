@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import select
 import socket
 import threading
 import uuid
@@ -24,18 +22,16 @@ from time import monotonic
 from typing import Any
 
 import psycopg
-from psycopg.adapt import Transformer
 from psycopg.types.json import Jsonb
 
-from . import _db
+from . import _db, _pq
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
-from ._sql import Queries, queries
+from ._sql import Queries
 from ._text import escape, register_jsonb_loaders
-from .migrate import check as check_schema
-from .migrate import migrate as run_migrations
+from .migrate import connect_ready
 from .settings import Settings
 
-__all__ = ["Store", "LoopStatements", "JobRow", "NewJob", "BROADCAST_TTL"]
+__all__ = ["Store", "JobRow", "NewJob", "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -131,18 +127,14 @@ class Store:
                 assert self._conn is not None
                 return self._conn
             self._conn = None  # inherited through fork, or closed: never reuse
-            if self.settings.auto_migrate:
-                ensure_migrated(self.conninfo, self.settings.schema)
-            conn = _db.connect(self.conninfo, connect_timeout=self.settings.connect_timeout,
-                               application_name=self._application_name)
-            with _db.translate_errors("checking the pgbroker schema"):
-                if not self.settings.auto_migrate:
-                    check_schema(conn, self.settings.schema)
-                # psycopg prepares a statement at its 5th execution; PostgreSQL would then still
-                # plan it anew on every execution (its custom plans look cheaper), which was 40 %
-                # of a claim. Every statement here is written for its generic plan, and the
-                # claim's is asserted in tests/bench/test_query_plans.py.
-                conn.execute("SET plan_cache_mode = force_generic_plan")
+            # psycopg prepares a statement at its 5th execution; PostgreSQL would then still
+            # plan it anew on every execution (its custom plans look cheaper), which was 40 %
+            # of a claim. Every statement here is written for its generic plan, and the
+            # claim's is asserted in tests/bench/test_query_plans.py.
+            conn = connect_ready(
+                self.conninfo, self.settings, application_name=self._application_name,
+                what="checking the pgbroker schema",
+                setup=lambda c: c.execute("SET plan_cache_mode = force_generic_plan"))
             register_jsonb_loaders(conn)  # claimed rows: unescaped, and one bad row alone
             self._conn = conn
             self._sync = None
@@ -222,15 +214,15 @@ class Store:
             pgconn = conn.pgconn
             names = self._prepared.get("job_insert")
             if names is None:
-                text, names = _numbered(self.q["job_insert"])
-                _prepare(pgconn, b"pgbroker_insert", text)
+                text, names = _pq.numbered(self.q["job_insert"])
+                _pq.prepare(pgconn, b"pgbroker_insert", text)
                 self._prepared["job_insert"] = names
-            _send(pgconn, b"pgbroker_insert", [params[n] for n in names],
-                  [1 if n in _BINARY_PARAMS else 0 for n in names])
+            _pq.send(pgconn, b"pgbroker_insert", [params[n] for n in names],
+                     [1 if n in _BINARY_PARAMS else 0 for n in names])
             results: list[Any] = []
-            _collect(pgconn, results, wait=True)
+            _pq.collect(pgconn, results, wait=True)
             for result in results:
-                _check(result)
+                _pq.check(result)
         if not results[-1].ntuples:  # no NOTIFY: nothing was inserted
             self.duplicates([job])
 
@@ -261,7 +253,7 @@ class Store:
         statement (plain acks only: no deletion). An ack whose row another session holds
         locked would make the claim wait: after CLAIM_LOCK_TIMEOUT the claim is made again
         without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows)."""
-        ids, attempts = _split(acks)
+        ids, attempts = _pq.split(acks)
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
                   "attempts": attempts}
         retries = 0
@@ -300,7 +292,7 @@ class Store:
         """Complete deliveries; ``delete`` (transient messages, or retention 0) removes them.
         Returns how many were acked; those whose row another session holds locked go to
         ``locked``, to be acked later (see job_ack)."""
-        ids, attempts = _split(deliveries)
+        ids, attempts = _pq.split(deliveries)
         if not ids:
             return 0
         name = "job_ack_delete" if delete or self.settings.retention == 0 else "job_ack"
@@ -309,7 +301,7 @@ class Store:
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
                 error: str | None = None,
                 locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
-        ids, attempts = _split(deliveries)
+        ids, attempts = _pq.split(deliveries)
         if not ids:
             return 0
         return self._settle("job_requeue", {"ids": ids, "attempts": attempts,
@@ -527,217 +519,3 @@ class Store:
 
     def unregister_consumer(self, consumer: uuid.UUID) -> None:
         self._execute("consumer_unregister", {"id": consumer})
-
-
-class LoopStatements:
-    """Claims and acks that the worker's event loop sends without waiting for them.
-
-    They run on the consumer's LISTEN connection, whose socket the loop watches anyway: a claim
-    (with the deferred acks folded in) is sent and the loop goes on handing tasks to the pool and
-    reading their results while PostgreSQL works; the rows are read when the socket says they
-    are there. A blocking claim kept the loop waiting for most of every task's time. One
-    statement is in flight at a time; only the loop's thread uses this connection.
-    """
-
-    _STATEMENTS = {b"pgbroker_claim": "job_claim", b"pgbroker_ack": "job_ack"}
-    _TYPES = {"queue": 25, "limit": 23, "consumer": 2950, "ids": 2951, "attempts": 1007}
-
-    def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
-        self._pgconn = conn.pgconn
-        self._order: dict[bytes, list[str]] = {}
-        q = queries(settings.schema)
-        with _db.translate_errors("preparing the claim"):
-            conn.execute("SET synchronous_commit = " + ("on" if settings.durable_acks else "off"))
-            conn.execute("SET plan_cache_mode = force_generic_plan")
-            # A claim waits for a row lock only on the rows of the acks folded into it (its
-            # candidates are SKIP LOCKED): one that meets a lock is sent again without its acks
-            # (as in Store.claim); one waiting for a table lock is sent again as it was.
-            conn.execute(f"SET lock_timeout = {int(CLAIM_LOCK_TIMEOUT * 1000)}")
-            for name, key in self._STATEMENTS.items():
-                text, self._order[name] = _numbered(q[key])
-                _prepare(self._pgconn, name, text, [self._TYPES[n] for n in self._order[name]])
-        register_jsonb_loaders(conn)  # as in Store.connect
-        self._tx = Transformer(conn)
-        self._replan_at = monotonic() + REPLAN_SECONDS  # as in Store
-        self._sent: tuple[bytes, list[bytes], list[tuple[uuid.UUID, int]]] | None = None
-        self._results: list[Any] = []
-        self._retries = 0
-        #: acks that met a row lock of another session: see take_locked
-        self._locked: list[tuple[uuid.UUID, int]] = []
-
-    @property
-    def busy(self) -> bool:
-        return self._sent is not None
-
-    def send_claim(self, queue: str, limit: int, consumer: uuid.UUID,
-                   acks: Sequence[tuple[uuid.UUID, int]]) -> None:
-        ids, attempts = _text_arrays(acks)
-        self._send(b"pgbroker_claim", {"queue": queue.encode(), "limit": b"%d" % limit,
-                                       "consumer": str(consumer).encode(), "ids": ids,
-                                       "attempts": attempts}, list(acks))
-
-    def send_ack(self, acks: Sequence[tuple[uuid.UUID, int]]) -> None:
-        ids, attempts = _text_arrays(acks)
-        self._send(b"pgbroker_ack", {"ids": ids, "attempts": attempts}, list(acks))
-
-    def take_locked(self) -> list[tuple[uuid.UUID, int]]:
-        """The acks of finished statements that met another session's row lock: to be acked
-        later with job_ack (which skips locked rows), never folded into a claim again."""
-        locked, self._locked = self._locked, []
-        return locked
-
-    def _without_acks(self, name: bytes, values: list[bytes]) -> list[bytes]:
-        ids, attempts = _text_arrays([])
-        order = self._order[name]
-        values = list(values)
-        values[order.index("ids")], values[order.index("attempts")] = ids, attempts
-        return values
-
-    def _send(self, name: bytes, params: dict[str, bytes] | list[bytes],
-              acks: list[tuple[uuid.UUID, int]]) -> None:
-        assert self._sent is None, "a statement is in flight already"
-        values = params if isinstance(params, list) else [params[n] for n in self._order[name]]
-        with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
-            if monotonic() >= self._replan_at:  # see REPLAN_SECONDS
-                _run(self._pgconn, b"DISCARD PLANS")
-                self._replan_at = monotonic() + REPLAN_SECONDS
-            _send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
-        self._sent = (name, values, acks)
-
-    def result(self, wait: bool = False) -> list[JobRow] | None:
-        """The claimed rows (none for an ack) once the statement in flight has finished; None
-        while it runs (or without one). The caller has read the socket (``consume_input``)."""
-        pg = self._pgconn
-        while self._sent is not None:
-            name, values, acks = self._sent
-            with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
-                if not _collect(pg, self._results, wait):
-                    return None
-            self._sent = None
-            (res,), self._results = self._results, []
-            if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
-                error = psycopg.errors.error_from_result(res)
-                if isinstance(error, psycopg.errors.DeadlockDetected) and self._retries < 2:
-                    # rolled back, acks included (see Store.claim): send it again
-                    self._retries += 1
-                    self._send(name, values, acks)
-                    continue
-                if isinstance(error, psycopg.errors.LockNotAvailable):
-                    if acks and name == b"pgbroker_claim":
-                        # an ack's row is locked by another session: claim without the acks
-                        self._locked.extend(acks)
-                        values, acks = self._without_acks(name, values), []
-                    # else a table lock (LOCK TABLE, CREATE INDEX): wait for it, a slice a time
-                    self._send(name, values, acks)
-                    continue
-                self._retries = 0
-                raise error
-            self._retries = 0
-            self._tx.set_pgresult(res)
-            if name != b"pgbroker_claim":  # job_ack: (id, attempt, done) of each delivery
-                done = self._tx.load_rows(0, res.ntuples, tuple)
-                self._locked.extend((row[0], row[1]) for row in done if not row[2])
-                return []
-            rows = self._tx.load_rows(0, res.ntuples, lambda values: JobRow(*values))
-            rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
-            return rows
-        return None
-
-
-def _send(pgconn: psycopg.pq.abc.PGconn, name: bytes, values: Sequence[bytes | None],
-          formats: Sequence[int] | None = None, result_format: int = 0) -> None:
-    """Send a prepared statement on a non-blocking connection, all of it."""
-    pgconn.send_query_prepared(name, values, formats, result_format)
-    while pgconn.flush():  # the rest did not fit in the socket buffer yet
-        readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
-        if readable:
-            pgconn.consume_input()
-
-
-def _prepare(pgconn: psycopg.pq.abc.PGconn, name: bytes, text: bytes,
-             types: Sequence[int] | None = None) -> None:
-    """PREPARE, waiting in Python (libpq's blocking PQprepare would not return to Python for a
-    signal, a Ctrl-C, while it waits: a lock on the table can make it wait)."""
-    pgconn.send_prepare(name, text, types)
-    _finish(pgconn)
-
-
-def _run(pgconn: psycopg.pq.abc.PGconn, command: bytes) -> None:
-    """A utility command, waiting for it in Python."""
-    pgconn.send_query(command)
-    _finish(pgconn)
-
-
-def _finish(pgconn: psycopg.pq.abc.PGconn) -> None:
-    while pgconn.flush():
-        select.select([], [pgconn.socket], [])
-    results: list[Any] = []
-    _collect(pgconn, results, wait=True)
-    for result in results:
-        _check(result)
-
-
-def _collect(pgconn: psycopg.pq.abc.PGconn, results: list[Any], wait: bool) -> bool:
-    """Append the results of the statement sent to ``results``; True once it has finished.
-    ``wait``: block until then (in Python: libpq's own wait would hold the GIL meanwhile)."""
-    while True:
-        if pgconn.is_busy():
-            if not wait:
-                return False
-            select.select([pgconn.socket], [], [])
-            pgconn.consume_input()
-            continue
-        res = pgconn.get_result()
-        if res is None:
-            return True
-        results.append(res)
-
-
-def _numbered(query: str) -> tuple[bytes, list[str]]:
-    """A query with ``%(name)s`` placeholders as ``$n`` (for a server-side PREPARE), and the
-    names in their ``$n`` order."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    text = re.sub(r"%\((\w+)\)s", number, query).replace("%%", "%")
-    return text.encode(), names
-
-
-def _text_arrays(deliveries: Sequence[tuple[uuid.UUID, int]]) -> tuple[bytes, bytes]:
-    """``(ids, attempts)`` as PostgreSQL array literals (text-format parameters)."""
-    ids = ",".join(str(job_id) for job_id, _ in deliveries)
-    attempts = ",".join(str(attempt) for _, attempt in deliveries)
-    return f"{{{ids}}}".encode(), f"{{{attempts}}}".encode()
-
-
-def _check(result: Any) -> None:
-    if result.status == psycopg.pq.ExecStatus.FATAL_ERROR:
-        raise psycopg.errors.error_from_result(result)
-
-
-def _split(deliveries: Iterable[tuple[uuid.UUID, int]]) -> tuple[list[uuid.UUID], list[int]]:
-    ids: list[uuid.UUID] = []
-    attempts: list[int] = []
-    for job_id, attempt in deliveries:
-        ids.append(job_id)
-        attempts.append(attempt)
-    return ids, attempts
-
-
-_migrated: set[tuple[str, str]] = set()
-_migrated_lock = threading.Lock()
-
-
-def ensure_migrated(conninfo: str, schema: str) -> None:
-    """Migrate once per process and (database, schema)."""
-    key = (conninfo, schema)
-    if key in _migrated:
-        return
-    with _migrated_lock:
-        if key not in _migrated:
-            run_migrations(conninfo, schema)
-            _migrated.add(key)

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import uuid
 from collections.abc import Iterable, Mapping
@@ -519,15 +518,9 @@ class ResultConsumer(BaseResultConsumer):
         backend = self.backend
         _db.close(self._listener)
         self._listener = None
-        conn = _db.connect(backend.conninfo, connect_timeout=backend.options.connect_timeout,
-                           application_name="pgbroker results listen")
-        try:
-            with _db.translate_errors("LISTEN for results"):
-                conn.execute(f'LISTEN "{backend.channel}"')
-        except Exception:
-            _db.close(conn)
-            raise
-        self._listener = conn
+        self._listener = _db.listen(
+            backend.conninfo, backend.channel, connect_timeout=backend.options.connect_timeout,
+            application_name="pgbroker results listen", what="LISTEN for results")
 
     def _wait(self, timeout: float | None) -> set[str]:
         listener = self._listener
@@ -536,39 +529,18 @@ class ResultConsumer(BaseResultConsumer):
         wait = poll if timeout is None else min(timeout, poll)
         try:
             with _db.translate_errors("waiting for result notifications"):
-                ids = _read_notifications(listener)
+                ids = set(_db.notifications(listener, _CLOSED))
                 if not ids:
-                    _wait_readable(listener.fileno(), max(wait, 0.0))
-                    ids = _read_notifications(listener)
+                    _db.wait_readable(listener.fileno(), max(wait, 0.0))
+                    ids = set(_db.notifications(listener, _CLOSED))
         except (OSError, psycopg.Error):  # DatabaseUnavailable is an OSError
             self.stop()  # the next drain reconnects and re-reads every pending result
             raise
         return ids
 
 
-def _wait_readable(fd: int, timeout: float) -> None:
-    """Wait until ``fd`` is readable or ``timeout`` passes. poll() where there is one (select()
-    fails on descriptors above 1023); looked up per call, so that gevent's patching applies."""
-    poll = getattr(select, "poll", None)
-    if poll is None:
-        select.select([fd], [], [], timeout)
-        return
-    poller = poll()
-    poller.register(fd, select.POLLIN)
-    poller.poll(timeout * 1000)
-
-
-def _read_notifications(conn: psycopg.Connection[Any]) -> set[str]:
-    """The task ids of the notifications that arrived (never blocks: libpq reads what is
-    there)."""
-    pgconn = conn.pgconn
-    pgconn.consume_input()
-    if pgconn.status != psycopg.pq.ConnStatus.OK:
-        raise DatabaseUnavailable("the results LISTEN connection was closed by the server")
-    ids = set()
-    while (note := pgconn.notifies()) is not None:
-        ids.add(note.extra.decode("utf-8", "replace"))
-    return ids
+#: What a closed results LISTEN connection is called in the error (see _db.notifications).
+_CLOSED = "the results LISTEN connection"
 
 
 def _ttl(seconds: float | timedelta | None) -> timedelta | None:

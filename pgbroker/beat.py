@@ -96,6 +96,7 @@ from ._schedule import (
 from ._sql import Queries
 from .enqueue import enqueue
 from .errors import ConfigurationError, DatabaseUnavailable
+from .migrate import connect_ready
 from .schedules import ENQUEUE_OPTIONS, EntryConfig, Schedules, entry_config, save_entry
 from .settings import Settings
 
@@ -409,23 +410,11 @@ class Scheduler(celery_beat.Scheduler):
         if _db.owned(self._conn):
             assert self._conn is not None
             return self._conn
-        from ._store import ensure_migrated
-        from .migrate import check
-
-        if self.settings.auto_migrate:
-            ensure_migrated(self.conninfo, self.settings.schema)
-        conn = _db.connect(self.conninfo, connect_timeout=self.settings.connect_timeout,
-                           application_name="pgbroker beat")
-        try:
-            with _db.translate_errors("pgbroker beat"):
-                if not self.settings.auto_migrate:
-                    check(conn, self.settings.schema)
-                # A beat frozen inside a firing (SIGSTOP, a hung host) must not keep its entry
-                # locked: the others skip locked entries.
-                conn.execute(self._q["beat_session"])
-        except BaseException:
-            _db.close(conn)
-            raise
+        # A beat frozen inside a firing (SIGSTOP, a hung host) must not keep its entry locked:
+        # the others skip locked entries.
+        conn = connect_ready(self.conninfo, self.settings, application_name="pgbroker beat",
+                             what="pgbroker beat",
+                             setup=lambda c: c.execute(self._q["beat_session"]))
         self._conn = conn
         return conn
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -20,8 +22,8 @@ from . import _db
 from .errors import SchemaError
 from .settings import Settings
 
-__all__ = ["migrate", "check", "apply", "load", "Migration", "MIGRATIONS", "latest_version",
-           "LOCK_TIMEOUT"]
+__all__ = ["migrate", "migrate_once", "connect_ready", "check", "apply", "load", "Migration",
+           "MIGRATIONS", "latest_version", "LOCK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,44 @@ def migrate(conninfo: str, schema: str = "pgbroker",
     """Apply pgbroker's pending migrations to ``schema``; return the versions applied."""
     Settings(schema=schema)  # validates the name
     return apply(conninfo, schema, MIGRATIONS, what="pgbroker", lock_timeout=lock_timeout)
+
+
+_migrated: set[tuple[str, str]] = set()
+_migrated_lock = threading.Lock()
+
+
+def migrate_once(conninfo: str, schema: str) -> None:
+    """:func:`migrate`, once per process and (database, schema)."""
+    key = (conninfo, schema)
+    if key in _migrated:
+        return
+    with _migrated_lock:
+        if key not in _migrated:
+            migrate(conninfo, schema)
+            _migrated.add(key)
+
+
+def connect_ready(conninfo: str, settings: Settings, *, application_name: str, what: str,
+                  setup: Callable[[psycopg.Connection[Any]], object] | None = None
+                  ) -> psycopg.Connection[Any]:
+    """Open a connection to a schema at this version: migrated first (once per process) with
+    ``auto_migrate``, else checked (:class:`SchemaError` if it is not); then ``setup`` (session
+    settings). Errors are translated as ``what``; the connection is closed again if any of it
+    fails. The store, beat and the lease open theirs here."""
+    if settings.auto_migrate:
+        migrate_once(conninfo, settings.schema)
+    conn = _db.connect(conninfo, connect_timeout=settings.connect_timeout,
+                       application_name=application_name)
+    try:
+        with _db.translate_errors(what):
+            if not settings.auto_migrate:
+                check(conn, settings.schema)
+            if setup is not None:
+                setup(conn)
+    except BaseException:
+        _db.close(conn)
+        raise
+    return conn
 
 
 def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from pgbroker._sql import queries
-from pgbroker._store import _numbered
+from pgbroker._pq import numbered as _numbered
 from tests.bench.harness import fill
 
 COMPLETED = 1_000_000

@@ -11,7 +11,7 @@ import pytest
 from pgbroker.errors import MessageError
 from pgbroker._messages import (
     MAX_NAME_LENGTH,
-    _delivery_tag,
+    delivery_tag as _delivery_tag,
     _timestamp,
     parse_delivery_tag,
     validate_queue_name,
