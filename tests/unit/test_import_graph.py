@@ -40,8 +40,8 @@ class Import:
 
 def _imports(name: str, source: str, is_package: bool,
              modules: dict[str, Path]) -> list[Import]:
-    """The imports in the text of module ``name`` whose target is one of ``modules`` (or any module, for a
-    function-level one: its target is then the dotted name it imports).
+    """The imports in the text of module ``name`` whose target is one of ``modules`` (or any
+    module, for a function-level one: its target is then the dotted name it imports).
 
     ``from package import x`` counts as an import of ``package.x`` when that is a module (Python
     loads the submodule, and the package is already being imported as its parent), and of the
@@ -224,3 +224,57 @@ def test_the_comment_check_sees_a_bare_function_level_import() -> None:
     assert [(i.target, i.line, i.in_function, _says_why(lines, i)) for i in imports] == [
         ("pgbroker.beat", 3, True, False), ("flask", 6, True, True), ("flask", 9, True, True),
         ("flask", 15, True, False)]
+
+
+def _underscore_reaches(name: str, source: str, is_package: bool,
+                        modules: dict[str, Path]) -> list[str]:
+    """The underscore names of another module of these packages that module ``name`` uses:
+    ``from .x import _y`` (``_y`` not a module), and ``x._y`` on a module ``x`` it imported."""
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the module of ours it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                origin = ".".join(package[:len(package) - node.level + 1])
+                origin = f"{origin}.{node.module}" if node.module else origin
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                sub = f"{origin}.{alias.name}"
+                if sub in modules:
+                    bound[alias.asname or alias.name] = sub
+                elif (origin in modules and origin != name and alias.name.startswith("_")
+                      and not alias.name.startswith("__")):
+                    found.append(f"{node.lineno}: from {origin} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and f"{bound[node.value.id]}.{node.attr}" not in modules):
+            found.append(f"{node.lineno}: {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_underscore_names() -> None:
+    modules = _modules()
+    found = [f"{path.relative_to(ROOT)}:{reach}" for name, path in modules.items()
+             for reach in _underscore_reaches(name, path.read_text("utf-8"),
+                                              path.name == "__init__.py", modules)]
+    assert found == []
+
+
+def test_the_underscore_check_sees_a_reach() -> None:
+    """The check itself can fail: both forms are reported; a private module and its public
+    names are not."""
+    source = ("from ._db import _first_line, connect\n"
+              "from . import _db, _io\n"
+              "def f():\n"
+              "    return _db._first_line, _db.connect, _io.Stream\n")
+    assert _underscore_reaches("pgbroker._probe", source, False, _modules()) == [
+        "1: from pgbroker._db import _first_line", "4: pgbroker._db._first_line"]
