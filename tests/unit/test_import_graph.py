@@ -38,6 +38,14 @@ class Import:
     in_function: bool
 
 
+def _origin(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a ``from ... import`` reads from (``package``: the importing module's)."""
+    if not node.level:
+        return node.module or ""
+    origin = ".".join(package[:len(package) - node.level + 1])
+    return f"{origin}.{node.module}" if node.module else origin
+
+
 def _imports(name: str, source: str, is_package: bool,
              modules: dict[str, Path]) -> list[Import]:
     """The imports in the text of module ``name`` whose target is one of ``modules`` (or any
@@ -57,11 +65,7 @@ def _imports(name: str, source: str, is_package: bool,
             if isinstance(child, ast.Import):
                 targets = [alias.name for alias in child.names]
             elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    origin = ".".join(package[:len(package) - child.level + 1])
-                    origin = f"{origin}.{child.module}" if child.module else origin
-                else:
-                    origin = child.module or ""
+                origin = _origin(child, package)
                 targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules
                            else origin for alias in child.names]
             else:
@@ -236,11 +240,7 @@ def _underscore_reaches(name: str, source: str, is_package: bool,
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                origin = ".".join(package[:len(package) - node.level + 1])
-                origin = f"{origin}.{node.module}" if node.module else origin
-            else:
-                origin = node.module or ""
+            origin = _origin(node, package)
             for alias in node.names:
                 sub = f"{origin}.{alias.name}"
                 if sub in modules:
