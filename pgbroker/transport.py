@@ -29,9 +29,11 @@ See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_att
 are kept dead in ``pgbroker.unroutable``). Unknown options are an error.
 
 This module is kombu glue: ``Channel`` and ``QoS`` call the connection's
-:class:`pgbroker._consumer.Consumer` (LISTEN, claims, timers, the event loop) and its
-:class:`pgbroker._store.Store` (every statement); every message check is in
-:mod:`pgbroker._messages`, the URL handling in :mod:`pgbroker._db`.
+:class:`pgbroker._consumer.Consumer` (LISTEN, claims, timers, the event loop, acks), the
+channel's :class:`pgbroker._publish.Publisher` (where a published message is written) and the
+connection's :class:`pgbroker._store.Store` (the other statements: declarations, bindings,
+``basic_get``); every message check is in :mod:`pgbroker._messages`, the URL handling in
+:mod:`pgbroker._db`.
 """
 
 from __future__ import annotations

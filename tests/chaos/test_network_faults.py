@@ -220,8 +220,8 @@ class NamespacedProxy:
         argv = self.enter() + [sys.executable, "-m", "celery", "-A", "tests.e2e.app", "worker",
                                "-P", "prefork", "--loglevel=INFO", "-n", f"{name}@%h", *args]
         # tests.support.processes builds the environment and log path of every worker; reused as is
-        return WorkerProcess(argv, helpers.celery_env(broker_url, env),
-                             helpers.log_file_for(None, name), name).wait_ready(60)
+        return WorkerProcess(argv, helpers._env(broker_url, env),
+                             helpers._log_path(None, name), name).wait_ready(60)
 
     def close(self) -> None:
         self.proc.terminate()

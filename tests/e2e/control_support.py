@@ -54,7 +54,7 @@ def start_celery(broker_url: str, name: str, *args: str, log_dir: Path,
     fixture of tests/conftest.py at the end of the test)."""
     argv = [sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args]
     log_dir.mkdir(parents=True, exist_ok=True)
-    return CeleryProcess(argv, helpers.celery_env(broker_url, env), log_dir / f"{name}.log", name)
+    return CeleryProcess(argv, helpers._env(broker_url, env), log_dir / f"{name}.log", name)
 
 
 def celery_cli(broker_url: str, *args: str, env: dict[str, str] | None = None,
@@ -65,9 +65,8 @@ def celery_cli(broker_url: str, *args: str, env: dict[str, str] | None = None,
         AssertionError: ``check`` and it exited non-zero (with its output).
     """
     argv = [sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args]
-    done = subprocess.run(argv, check=False, cwd=REPO_ROOT,
-                          env=helpers.celery_env(broker_url, env), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(argv, check=False, cwd=REPO_ROOT, env=helpers._env(broker_url, env),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}\n"
                              f"{done.stderr}")

@@ -241,7 +241,7 @@ def run_worker(
         (("-n", "--hostname"), ["-n", f"{name}@%h"]),
     ]
     argv = _celery_argv(app_module, "worker", args, defaults)
-    return WorkerProcess(argv, celery_env(broker_url, env), log_file_for(log_dir, name), name)
+    return WorkerProcess(argv, _env(broker_url, env), _log_path(log_dir, name), name)
 
 
 def run_beat(
@@ -254,13 +254,13 @@ def run_beat(
     """Start ``python -m celery -A <app_module> beat --loglevel=INFO`` (same environment as
     :func:`run_worker`); its schedule file, if any, goes to the log directory."""
     name = f"beat{os.getpid()}-{next(_names)}-{uuid.uuid4().hex[:6]}"
-    log_path = log_file_for(log_dir, name)
+    log_path = _log_path(log_dir, name)
     defaults = [
         (("-l", "--loglevel"), ["--loglevel=INFO"]),
         (("-s", "--schedule"), ["-s", str(log_path.with_suffix(".schedule"))]),
     ]
     argv = _celery_argv(app_module, "beat", args, defaults)
-    return BeatProcess(argv, celery_env(broker_url, env), log_path, name)
+    return BeatProcess(argv, _env(broker_url, env), log_path, name)
 
 
 def _celery_argv(
@@ -277,8 +277,7 @@ def _celery_argv(
     return argv + args
 
 
-def celery_env(broker_url: str, extra: Mapping[str, str] | None) -> dict[str, str]:
-    """The environment of a celery subprocess on ``broker_url`` (this repository importable)."""
+def _env(broker_url: str, extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PGBROKER_TEST_BROKER_URL"] = broker_url
     env["PGBROKER_DATABASE_URL"] = normalize_url(broker_url)
@@ -289,8 +288,7 @@ def celery_env(broker_url: str, extra: Mapping[str, str] | None) -> dict[str, st
     return env
 
 
-def log_file_for(log_dir: Path | None, name: str) -> Path:
-    """The log file of the process ``name`` (in ``log_dir``, the test's, or a temporary one)."""
+def _log_path(log_dir: Path | None, name: str) -> Path:
     if log_dir is None:
         log_dir = log_dir_provider() if log_dir_provider is not None else None
     if log_dir is None:
