@@ -20,7 +20,7 @@ from .enqueue import enqueue, enqueue_many, transaction
 from .migrate import migrate
 from .settings import Settings
 from . import _failures, _scheduled, _startup
-from .transport import _register
+from .transport import register_scheme
 
 __all__ = [
     "ConfigurationError",
@@ -42,7 +42,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_register()
+register_scheme()
 _failures.connect()
 _scheduled.connect()
 _startup.connect()

@@ -12,6 +12,7 @@ from typing import Any
 
 from kombu.transport import resolve_transport
 
+from . import _db
 from .errors import ConfigurationError
 from .settings import Settings
 from .transport import Transport
@@ -77,4 +78,4 @@ def _broker(conn: Any) -> Broker:
     settings = Settings.from_options(conn.transport_options)
     # the URL's parsing is the transport's own (a libpq URL after "pgbroker+", the password
     # kept out of what kombu prints)
-    return Broker(Transport._conninfo(conn), settings)
+    return Broker(_db.kombu_conninfo(conn), settings)

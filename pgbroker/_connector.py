@@ -148,7 +148,7 @@ def connector_for(db: Any) -> Connector:
 
         return DjangoConnector(db)
     if module.startswith("sqlalchemy."):
-        from .contrib.sqlalchemy_connector import SQLAlchemyConnector
+        from .contrib.sqlalchemy_connector import SQLAlchemyConnector  # lazily: see above
 
         if SQLAlchemyConnector.accepts(db):
             return SQLAlchemyConnector(db)

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+import psycopg
+
 __all__ = [
     "DEFAULT_LOCAL_URL",
     "ENV_DATABASE_URL",
@@ -210,7 +212,7 @@ def _import_pgserver():  # type: ignore[no-untyped-def]
             # platformdirs warns at import time when XDG_RUNTIME_DIR is unset (containers, CI);
             # the fallback it picks (/tmp/runtime-<uid>) is fine for a lock file.
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-            import pgserver
+            import pgserver  # optional: the embedded extra (the error below says how to get it)
     except ImportError as exc:
         raise RuntimeError(
             "no PostgreSQL server found: set PGBROKER_DATABASE_URL, start PostgreSQL on "
@@ -232,8 +234,6 @@ def _url_of(server: object) -> str:
 
 def _can_connect(url: str) -> bool:
     """Return True if a connection to ``url`` succeeds within PROBE_TIMEOUT_SECONDS."""
-    import psycopg
-
     try:
         with psycopg.connect(url, connect_timeout=PROBE_TIMEOUT_SECONDS, autocommit=True) as conn:
             conn.execute("SELECT 1")

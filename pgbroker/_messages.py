@@ -1,7 +1,9 @@
 """kombu messages <-> job rows: every check made at publish, and the payload handed to kombu.
 
-Shared by the transport (``Channel._put``) and by :mod:`pgbroker.enqueue`, so a message written
-through either path is the same row and is validated the same way.
+Shared by the transport's publisher (``Channel._put`` -> :mod:`pgbroker._publish`) and by
+:func:`pgbroker.enqueue`'s message builder (:mod:`pgbroker._build`), so a message written through
+either path is the same row and is validated the same way; the consumer's side
+(:mod:`pgbroker._delivery`) builds a claimed row's payload with :func:`kombu_payload`.
 """
 
 from __future__ import annotations

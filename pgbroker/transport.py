@@ -29,9 +29,11 @@ See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_att
 are kept dead in ``pgbroker.unroutable``). Unknown options are an error.
 
 This module is kombu glue: ``Channel`` and ``QoS`` call the connection's
-:class:`pgbroker._consumer.Consumer` (LISTEN, claims, timers, the event loop) and its
-:class:`pgbroker._store.Store` (every statement); every message check is in
-:mod:`pgbroker._messages`, the URL handling in :mod:`pgbroker._db`.
+:class:`pgbroker._consumer.Consumer` (LISTEN, claims, timers, the event loop, acks), the
+channel's :class:`pgbroker._publish.Publisher` (where a published message is written) and the
+connection's :class:`pgbroker._store.Store` (the other statements: declarations, bindings,
+``basic_get``); every message check is in :mod:`pgbroker._messages`, the URL handling in
+:mod:`pgbroker._db`.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ from . import _db
 from ._claims import ClaimPolicy
 from ._consumer import Consumer
 from ._lease import Lease
-from ._loop import LoopStatements
 from ._messages import (
     MAX_NAME_LENGTH,
     REQUEUED,
@@ -477,9 +478,6 @@ class Transport(virtual.Transport):
         self.consumer = Consumer(self.store, self.settings, self.conninfo, self.channels,
                                  self.state, self._deliver, self.connection_errors)
 
-    #: kept for callers of the old name (``_db.kombu_conninfo`` is the one to call)
-    _conninfo = staticmethod(_db.kombu_conninfo)
-
     @property
     def lease(self) -> Lease:
         return self.consumer.lease
@@ -488,14 +486,6 @@ class Transport(virtual.Transport):
     def in_flight(self) -> tuple[Channel, str, int] | None:
         """The event loop's claim in flight: (channel, queue, how many were asked for)."""
         return self.consumer.in_flight
-
-    # (the tests of the event loop look at these two)
-    @property
-    def _line(self) -> LoopStatements | None:
-        return self.consumer.line
-
-    def _listen(self) -> psycopg.Connection[Any]:
-        return self.consumer.listen()
 
     def driver_version(self) -> str:
         return psycopg.__version__
@@ -525,7 +515,7 @@ class Transport(virtual.Transport):
         self.consumer.drain(timeout)
 
 
-def _register() -> None:
+def register_scheme() -> None:
     """Register the ``pgbroker`` URL scheme with kombu (done by ``import pgbroker``)."""
     TRANSPORT_ALIASES.setdefault("pgbroker", "pgbroker.transport:Transport")
 

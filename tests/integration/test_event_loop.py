@@ -119,7 +119,7 @@ def test_a_statement_that_fails_in_flight_raises_in_the_loop(broker_url: str,
         publish(conn, "x", "failing")
     with connect(broker_url, **NO_POLL) as conn:
         consumer = LoopConsumer(conn, "failing", prefetch=1)
-        conn.transport._listen().execute("SET statement_timeout = 50")
+        conn.transport.consumer.listen().execute("SET statement_timeout = 50")
         pg.execute("BEGIN")
         pg.execute("LOCK TABLE pgbroker.jobs IN EXCLUSIVE MODE")
         try:

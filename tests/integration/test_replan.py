@@ -53,15 +53,15 @@ def test_the_event_loop_plans_its_claim_again_once_the_table_grew(
         consumer = LoopConsumer(conn, "replan", prefetch=1)
         publish(producer, "on an empty table", "replan")
         consumer.run_until(lambda: len(consumer.received) == 1)
-        listener = conn.transport._listen()
-        consumer.run_until(lambda: not conn.transport._line.busy)
+        listener = conn.transport.consumer.listen()
+        consumer.run_until(lambda: not conn.transport.consumer.line.busy)
         assert "Seq Scan on jobs" in claim_plan(listener, "pgbroker_claim")
 
         grow(pg)
         time.sleep(INTERVAL)
         publish(producer, "on a grown table", "replan")
         consumer.run_until(lambda: len(consumer.received) == 2)
-        consumer.run_until(lambda: not conn.transport._line.busy)
+        consumer.run_until(lambda: not conn.transport.consumer.line.busy)
         plan = claim_plan(listener, "pgbroker_claim")
         consumer.hub.close()
     assert "Seq Scan on jobs" not in plan, plan

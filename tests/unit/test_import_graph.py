@@ -1,12 +1,15 @@
 """The import graph of pgbroker and ticketflow, read from the source (nothing is imported).
 
 Every import counts, the ones inside functions too: a circle hidden by a function-level import is
-still a circle. The enqueue path and the example app must have none (issue 19).
+still a circle, and no module of these packages may sit on one (issue 19). An import inside a
+function must say why on its line or in the comment just above it (an optional dependency, a
+module a producer need not load, ...): a comment-less one is how a circle gets hidden.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,31 +29,102 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+@dataclass(frozen=True)
+class Import:
+    """One import statement of a module: the module of these packages it loads."""
+    target: str
+    line: int  # first line of the statement
+    end: int  # last line
+    in_function: bool
+
+
+def _origin(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a ``from ... import`` reads from (``package``: the importing module's)."""
+    if not node.level:
+        return node.module or ""
+    origin = ".".join(package[:len(package) - node.level + 1])
+    return f"{origin}.{node.module}" if node.module else origin
+
+
+def _imports(name: str, source: str, is_package: bool,
+             modules: dict[str, Path]) -> list[Import]:
+    """The imports in the text of module ``name`` whose target is one of ``modules`` (or any
+    module, for a function-level one: its target is then the dotted name it imports).
+
+    ``from package import x`` counts as an import of ``package.x`` when that is a module (Python
+    loads the submodule, and the package is already being imported as its parent), and of the
+    package (its ``__init__``) otherwise.
+    """
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                      ast.Lambda))
+            if isinstance(child, ast.Import):
+                targets = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                origin = _origin(child, package)
+                targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules
+                           else origin for alias in child.names]
+            else:
+                visit(child, inner)
+                continue
+            for target in dict.fromkeys(targets):
+                if target != name and (target in modules or in_function):
+                    found.append(Import(target, child.lineno, child.end_lineno or child.lineno,
+                                        in_function))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+    return _imports(name, path.read_text("utf-8"), path.name == "__init__.py", modules)
+
+
 def _graph() -> dict[str, set[str]]:
-    """{module: the modules of these packages it imports anywhere}; a package's ``__init__``
-    (the public facade, which imports its rooms) is left out as a target and as a source."""
+    """{module: the modules of these packages it imports anywhere}, packages' ``__init__``
+    included (under the package's name)."""
     modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-        if is_package:
-            continue
-        base = name.split(".")
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    origin = ".".join(base[:len(base) - node.level])
-                    origin = f"{origin}.{node.module}" if node.module else origin
-                else:
-                    origin = node.module or ""
-                targets.add(origin)
-                targets.update(f"{origin}.{alias.name}" for alias in node.names)
-        graph[name] = {t for t in targets if t in modules and t != name
-                       and modules[t].name != "__init__.py"}
-    return graph
+    return {name: {i.target for i in _imports_of(name, path, modules) if i.target in modules}
+            for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
 
 
 def _circle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
@@ -66,6 +140,12 @@ def _circle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
                 seen.add(nxt)
                 stack.append((nxt, [*path, nxt]))
     return None
+
+
+def test_no_import_circle_anywhere() -> None:
+    graph = _graph()
+    assert "pgbroker.transport" in graph and "pgbroker" in graph and "ticketflow.tasks" in graph
+    assert _circles(graph) == []
 
 
 @pytest.mark.parametrize("module", [
@@ -84,3 +164,117 @@ def test_no_import_circle_through(module: str) -> None:
 def test_the_graph_sees_function_level_imports() -> None:
     """The reader itself: _connector imports the Django connector inside a function."""
     assert "pgbroker.contrib.django_connector" in _graph()["pgbroker._connector"]
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    """The check itself can fail: a -> b -> c -> a is found, the tail d is not part of it."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _says_why(lines: list[str], imp: Import) -> bool:
+    """A ``#`` comment on the import's own lines, or just above it: on the comment lines before
+    it (or before the group of imports it ends), or on (or above) the headers of the blocks it
+    opens (``try:  # optional ...``)."""
+    if any("#" in line for line in lines[imp.line - 1:imp.end]):
+        return True
+    above = imp.line - 2
+    while above >= 0:
+        code, hashed, _ = lines[above].partition("#")
+        if hashed:
+            return not code.strip() or code.rstrip().endswith(":")
+        if not (code.rstrip().endswith(":") or code.strip().startswith(("import ", "from "))):
+            return False
+        above -= 1
+    return False
+
+
+def _uncommented_function_level_imports() -> list[str]:
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        lines = path.read_text("utf-8").splitlines()
+        for imp in _imports_of(name, path, modules):
+            if imp.in_function and not _says_why(lines, imp):
+                found.append(f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}")
+    return found
+
+
+def test_every_function_level_import_says_why() -> None:
+    assert _uncommented_function_level_imports() == []
+
+
+def test_the_comment_check_sees_a_bare_function_level_import() -> None:
+    """The check itself can fail: a bare import inside a function is reported, a commented one
+    and a module-level one are not."""
+    source = ("import os\n"
+              "def f():\n"
+              "    from . import beat\n"
+              "def g():\n"
+              "    # optional: flask\n"
+              "    import flask\n"
+              "def h():\n"
+              "    try:  # optional: the admin extra\n"
+              "        import flask\n"
+              "    except ImportError:\n"
+              "        pass\n"
+              "def k():\n"
+              "    x = 1\n"
+              "    if x:\n"
+              "        import flask\n")
+    lines = source.splitlines()
+    imports = _imports("pgbroker._probe", source, False, _modules())
+    assert [(i.target, i.line, i.in_function, _says_why(lines, i)) for i in imports] == [
+        ("pgbroker.beat", 3, True, False), ("flask", 6, True, True), ("flask", 9, True, True),
+        ("flask", 15, True, False)]
+
+
+def _underscore_reaches(name: str, source: str, is_package: bool,
+                        modules: dict[str, Path]) -> list[str]:
+    """The underscore names of another module of these packages that module ``name`` uses:
+    ``from .x import _y`` (``_y`` not a module), and ``x._y`` on a module ``x`` it imported."""
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the module of ours it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            origin = _origin(node, package)
+            for alias in node.names:
+                sub = f"{origin}.{alias.name}"
+                if sub in modules:
+                    bound[alias.asname or alias.name] = sub
+                elif (origin in modules and origin != name and alias.name.startswith("_")
+                      and not alias.name.startswith("__")):
+                    found.append(f"{node.lineno}: from {origin} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and f"{bound[node.value.id]}.{node.attr}" not in modules):
+            found.append(f"{node.lineno}: {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_underscore_names() -> None:
+    modules = _modules()
+    found = [f"{path.relative_to(ROOT)}:{reach}" for name, path in modules.items()
+             for reach in _underscore_reaches(name, path.read_text("utf-8"),
+                                              path.name == "__init__.py", modules)]
+    assert found == []
+
+
+def test_the_underscore_check_sees_a_reach() -> None:
+    """The check itself can fail: both forms are reported; a private module and its public
+    names are not."""
+    source = ("from ._db import _first_line, connect\n"
+              "from . import _db, _io\n"
+              "def f():\n"
+              "    return _db._first_line, _db.connect, _io.Stream\n")
+    assert _underscore_reaches("pgbroker._probe", source, False, _modules()) == [
+        "1: from pgbroker._db import _first_line", "4: pgbroker._db._first_line"]

@@ -1,4 +1,4 @@
-"""Unit tests of the transport's pure helpers: queue name validation, delivery tags, and the
+"""Unit tests of pgbroker._messages' pure helpers: queue name validation, delivery tags, and the
 parsing of Celery's ``eta``/``expires`` headers."""
 
 from __future__ import annotations

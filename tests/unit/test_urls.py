@@ -1,5 +1,6 @@
 """Unit tests of broker URL handling: pgbroker._db.libpq_url / mask_password and the
-conninfo the kombu Transport builds from a ``kombu.Connection`` (no connection is opened)."""
+conninfo the kombu Transport builds from a ``kombu.Connection`` (``_db.kombu_conninfo``; no
+connection is opened)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import pgbroker  # noqa: F401 - registers the pgbroker:// scheme with kombu
-from pgbroker._db import libpq_url, mask_password
+from pgbroker._db import kombu_conninfo, libpq_url, mask_password
 from pgbroker.errors import ConfigurationError
-from pgbroker.transport import Transport
 
 SECRET = "s3cr3t"
 
@@ -86,11 +86,11 @@ def test_mask_password_never_leaks(given: str) -> None:
     assert SECRET not in mask_password(given)
 
 
-# -- Transport._conninfo --------------------------------------------------------------------------
+# -- _db.kombu_conninfo --------------------------------------------------------------------------
 
 def conninfo_of(*args: object, **kwargs: object) -> dict[str, str]:
     """The libpq parameters the transport would connect with, for ``kombu.Connection(...)``."""
-    return conninfo_to_dict(Transport._conninfo(kombu.Connection(*args, **kwargs)))
+    return conninfo_to_dict(kombu_conninfo(kombu.Connection(*args, **kwargs)))
 
 
 def test_kombu_resolves_the_pgbroker_scheme() -> None:
@@ -127,7 +127,7 @@ def test_kombu_parses_a_pgbroker_url_and_its_failover_alternates() -> None:
     assert (conn.hostname, conn.port, conn.userid, conn.virtual_host) == ("h1", 5433, "u", "db")
     assert conn.alt == ["pgbroker://u@h1:5433/db", "pgbroker://u@h2:5434/db"]
     conn.switch(conn.alt[1])
-    assert conninfo_to_dict(Transport._conninfo(conn)) == {
+    assert conninfo_to_dict(kombu_conninfo(conn)) == {
         "host": "h2", "port": "5434", "user": "u", "dbname": "db"}
 
 
@@ -161,7 +161,7 @@ def test_conninfo_without_a_database_name_uses_libpq_default() -> None:
 def test_conninfo_passes_a_key_value_string_through() -> None:
     client = SimpleNamespace(hostname="host=/socket/dir dbname=app user=u", port=None,
                              userid=None, password=None, virtual_host=None)
-    assert Transport._conninfo(client) == "host=/socket/dir dbname=app user=u"
+    assert kombu_conninfo(client) == "host=/socket/dir dbname=app user=u"
 
 
 @pytest.mark.parametrize("url", [f"pgbroker://u:{SECRET}@h:5433/db",
