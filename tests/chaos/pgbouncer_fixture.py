@@ -41,7 +41,10 @@ class PgBouncer:
     """One ``pgbouncer`` process forwarding to ``host:port``."""
 
     def __init__(self, host: str, port: int, pool_mode: str = "transaction",
-                 pool_size: int = 20):
+                 pool_size: int = 20, reset_always: bool = False):
+        """``reset_always``: ``DISCARD ALL`` after every transaction
+        (``server_reset_query_always``), so that no session state survives one, whichever
+        server connection comes next."""
         exe = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
         if not os.path.exists(exe):
             pytest.skip("no pgbouncer binary: apt-get install pgbouncer")
@@ -63,7 +66,8 @@ admin_users = postgres
 pool_mode = {pool_mode}
 default_pool_size = {pool_size}
 max_client_conn = 1000
-server_reset_query =
+server_reset_query = {"DISCARD ALL" if reset_always else ""}
+server_reset_query_always = {1 if reset_always else 0}
 ignore_startup_parameters = extra_float_digits
 logfile = {self.log}
 pidfile = {self.root / "pgbouncer.pid"}
@@ -106,9 +110,9 @@ pidfile = {self.root / "pgbouncer.pid"}
 
     def close(self) -> None:
         self.proc.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        except subprocess.TimeoutExpired:
+        if self.proc.poll() is None:
             self.proc.kill()
         shutil.rmtree(self.root, ignore_errors=True)
 

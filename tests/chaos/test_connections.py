@@ -1,0 +1,74 @@
+"""How many PostgreSQL connections pgbroker holds, read from ``pg_stat_activity``.
+
+A worker host multiplies these: 200 hosts of one worker each need 200 x (connections per
+worker) server connections. The target (issue 20, point 3) is at most two per worker, with the
+same crash guarantees (an advisory lock that vanishes with a dead worker's session, heartbeats
+for a frozen one), and one for a web process's producer side.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+import pgbroker
+from tests.e2e import app as e2e
+from tests.e2e.support import _drop_pools, point_producer, start_worker
+from tests.helpers import wait_for
+
+
+def _pgbroker_sessions(pg: psycopg.Connection) -> list[str]:
+    """The application names of pgbroker's sessions in this database (not the test's own)."""
+    return sorted(r[0] for r in pg.execute(
+        "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name LIKE 'pgbroker%%' AND pid <> pg_backend_pid()"))
+
+
+@pytest.mark.xfail(strict=True, reason="an idle worker -c 4 holds 4 connections: two "
+                   "'pgbroker', 'pgbroker lease', 'pgbroker listen' (issue 20, point 3)")
+def test_an_idle_worker_holds_at_most_two_connections(runs: psycopg.Connection,
+                                                      broker_url: str) -> None:
+    worker = start_worker(broker_url, "-c", "4")
+    # the lease and the listener start with the consumer: wait for the lease's registration
+    wait_for(lambda: runs.execute("SELECT count(*) FROM pgbroker.consumers").fetchone()[0], 30,
+             message="the worker's consumer registration")
+    sessions = wait_for(lambda: _pgbroker_sessions(runs), 10)
+    print(f"\n[figure] an idle worker -c 4 holds {len(sessions)} connections: {sessions}")
+    assert worker.is_alive()
+    assert len(sessions) <= 2, sessions
+
+
+@pytest.mark.xfail(strict=True, reason="kombu's producer pool opens one connection per thread "
+                   "publishing at once: 4 threads, 4 connections (issue 20, point 3)")
+def test_a_web_process_producer_opens_one_connection(runs: psycopg.Connection,
+                                                     broker_url: str) -> None:
+    """A web process: requests publish from 4 threads at once, repeatedly."""
+    point_producer(e2e.app, broker_url)
+    try:
+        def requests(n: int) -> None:
+            for i in range(25):
+                e2e.touch.delay(f"web-{n}-{i}")
+
+        threads = [threading.Thread(target=requests, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        sessions = _pgbroker_sessions(runs)
+    finally:
+        _drop_pools(e2e.app)
+    print(f"\n[figure] a producer publishing from 4 threads holds {len(sessions)} "
+          f"connection(s): {sessions}")
+    assert runs.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 100
+    assert len(sessions) == 1, sessions
+
+
+def test_enqueue_uses_the_callers_connection(runs: psycopg.Connection, db_url: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        for i in range(10):
+            pgbroker.enqueue(conn, e2e.touch, (f"enq-{i}",), app=e2e.app)
+        conn.commit()
+        assert _pgbroker_sessions(runs) == []
+    assert runs.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 10

@@ -1,0 +1,95 @@
+"""pgbroker through a real PgBouncer in transaction pooling mode.
+
+Producers (``.delay()``, ``pgbroker.enqueue``, ``pgbroker.transaction()``) and workers connect
+through ``pgbouncer`` (Debian's package, started by the test: tests/chaos/pgbouncer_fixture.py)
+with ``pool_mode = transaction``. To make "no session state" certain rather than a matter of
+which server connection PgBouncer happens to hand out, the pooler runs ``DISCARD ALL`` after
+every transaction (``server_reset_query_always``): prepared statements, LISTEN, session advisory
+locks and ``SET`` all end with the transaction, as they may on a busy production pooler.
+
+Counts from SQL on the server itself (not through the pooler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import pgbroker
+from tests.chaos.pgbouncer_fixture import PgBouncer, pgbouncer
+from tests.e2e import app as e2e
+from tests.e2e.support import SHORT_LEASE, _drop_pools, point_producer, start_worker
+from tests.helpers import wait_for
+
+#: Today every store connection prepares its statements by name once (pgbroker_insert, ...),
+#: which the next transaction, on another server connection, cannot find.
+PREPARED = ("pgbroker prepares named statements once per connection: through transaction "
+            "pooling the next transaction finds none (issue 20, point 2)")
+
+
+@pytest.fixture
+def bouncer(runs: psycopg.Connection) -> Iterator[PgBouncer]:
+    with pgbouncer("127.0.0.1", runs.info.port, reset_always=True) as made:
+        yield made
+
+
+def _jobs(pg: psycopg.Connection, prefix: str) -> int:
+    return pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE task_id LIKE %s",
+                      (prefix + "%",)).fetchone()[0]
+
+
+@pytest.mark.xfail(strict=True, reason=PREPARED)
+def test_delay_through_transaction_pooling(bouncer: PgBouncer, db_url: str,
+                                           runs: psycopg.Connection) -> None:
+    point_producer(e2e.app, "pgbroker+" + bouncer.url(db_url))
+    try:
+        for i in range(20):  # psycopg too prepares a statement at its 5th execution
+            e2e.touch.apply_async((f"delay-{i}",), task_id=f"delay-{i}")
+    finally:
+        _drop_pools(e2e.app)
+    assert _jobs(runs, "delay-") == 20
+
+
+def test_enqueue_and_transaction_through_transaction_pooling(
+        bouncer: PgBouncer, db_url: str, runs: psycopg.Connection) -> None:
+    """The caller's connection (``prepare_threshold=None``, as PgBouncer's docs ask of psycopg
+    clients before 1.21): ``enqueue`` and ``transaction()`` add no session state to it."""
+    with psycopg.connect(bouncer.url(db_url), prepare_threshold=None) as conn:
+        for i in range(10):
+            pgbroker.enqueue(conn, e2e.touch, (f"enq-{i}",), app=e2e.app)
+            conn.commit()
+        point_producer(e2e.app, "pgbroker+" + db_url)  # not used: transaction() writes via conn
+        with pgbroker.transaction(conn):
+            for i in range(10):
+                e2e.touch.apply_async((f"txn-{i}",), task_id=f"txn-{i}")
+        conn.commit()
+    _drop_pools(e2e.app)
+    assert _jobs(runs, "txn-") == 10
+    assert runs.execute("SELECT count(*) FROM pgbroker.jobs WHERE convert_from(body, 'UTF8')"
+                        " LIKE '%enq-%'"
+                        ).fetchone()[0] == 10
+
+
+@pytest.mark.xfail(strict=True, reason=PREPARED)
+def test_worker_through_transaction_pooling(bouncer: PgBouncer, db_url: str,
+                                            runs: psycopg.Connection) -> None:
+    """A worker whose every connection goes through the pooler: no LISTEN, no advisory lock
+    (``use_advisory_locks: False``; heartbeats are the guarantee), claims by polling."""
+    point_producer(e2e.app, "pgbroker+" + db_url)
+    try:
+        start_worker("pgbroker+" + bouncer.url(db_url), "-c", "2", options={
+            **SHORT_LEASE, "use_advisory_locks": False, "poll_interval": 0.5})
+        keys = [f"pooled-{i}" for i in range(30)]
+        for key in keys:
+            e2e.touch.apply_async((key,), task_id=key)
+        wait_for(lambda: runs.execute("SELECT count(*) FROM pgbroker.jobs WHERE task_id ="
+                                      " ANY(%s) AND state = 'completed'", (keys,)
+                                      ).fetchone()[0] == len(keys), 60, interval=0.2,
+                 message="every task completed through the pooler")
+    finally:
+        _drop_pools(e2e.app)
+    runs_per_key = dict(runs.execute("SELECT key, count(*) FROM public.runs WHERE key = ANY(%s)"
+                                     " GROUP BY key", (keys,)).fetchall())
+    assert runs_per_key == dict.fromkeys(keys, 1)
