@@ -15,8 +15,9 @@ import pytest
 
 import pgbroker
 from tests.e2e import app as e2e
-from tests.e2e.support import _drop_pools, point_producer, start_worker
-from tests.helpers import wait_for
+from tests.e2e.support import start_worker
+from tests.support.producers import drop_pools, point_producer
+from tests.support.processes import wait_for
 
 
 def _pgbroker_sessions(pg: psycopg.Connection) -> list[str]:
@@ -58,7 +59,7 @@ def test_a_web_process_producer_opens_one_connection(runs: psycopg.Connection,
             thread.join(60)
         sessions = _pgbroker_sessions(runs)
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
     print(f"\n[figure] a producer publishing from 4 threads holds {len(sessions)} "
           f"connection(s): {sessions}")
     assert runs.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 100

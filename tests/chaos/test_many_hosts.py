@@ -19,8 +19,9 @@ from tests.chaos.hosts import Host, hosts, needs_hosts
 from tests.chaos.load import tally
 from tests.chaos.pgserver_fixture import ThrowawayServer, require_bindir
 from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, _drop_pools, key_runs, owner_of, point_producer
-from tests.helpers import WorkerProcess, wait_for
+from tests.e2e.support import SHORT_LEASE, key_runs, owner_of
+from tests.support.producers import drop_pools, point_producer
+from tests.support.processes import WorkerProcess, wait_for
 
 pytestmark = needs_hosts
 
@@ -55,7 +56,7 @@ def db(site: tuple[ThrowawayServer, list[Host]]) -> Iterator[str]:
     try:
         yield url
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
         server.drop_database(url)
 
 

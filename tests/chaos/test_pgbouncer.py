@@ -20,8 +20,9 @@ import pytest
 import pgbroker
 from tests.chaos.pgbouncer_fixture import PgBouncer, pgbouncer
 from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, _drop_pools, point_producer, start_worker
-from tests.helpers import wait_for
+from tests.e2e.support import SHORT_LEASE, start_worker
+from tests.support.producers import drop_pools, point_producer
+from tests.support.processes import wait_for
 
 #: Today every store connection prepares its statements by name once (pgbroker_insert, ...),
 #: which the next transaction, on another server connection, cannot find.
@@ -48,7 +49,7 @@ def test_delay_through_transaction_pooling(bouncer: PgBouncer, db_url: str,
         for i in range(20):  # psycopg too prepares a statement at its 5th execution
             e2e.touch.apply_async((f"delay-{i}",), task_id=f"delay-{i}")
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
     assert _jobs(runs, "delay-") == 20
 
 
@@ -65,7 +66,7 @@ def test_enqueue_and_transaction_through_transaction_pooling(
             for i in range(10):
                 e2e.touch.apply_async((f"txn-{i}",), task_id=f"txn-{i}")
         conn.commit()
-    _drop_pools(e2e.app)
+    drop_pools(e2e.app)
     assert _jobs(runs, "txn-") == 10
     assert runs.execute("SELECT count(*) FROM pgbroker.jobs WHERE convert_from(body, 'UTF8')"
                         " LIKE '%enq-%'"
@@ -89,7 +90,7 @@ def test_worker_through_transaction_pooling(bouncer: PgBouncer, db_url: str,
                                       ).fetchone()[0] == len(keys), 60, interval=0.2,
                  message="every task completed through the pooler")
     finally:
-        _drop_pools(e2e.app)
+        drop_pools(e2e.app)
     runs_per_key = dict(runs.execute("SELECT key, count(*) FROM public.runs WHERE key = ANY(%s)"
                                      " GROUP BY key", (keys,)).fetchall())
     assert runs_per_key == dict.fromkeys(keys, 1)

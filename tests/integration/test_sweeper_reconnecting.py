@@ -13,7 +13,7 @@ import uuid
 import psycopg
 
 from pgbroker.sweeper import Sweeper
-from tests.integration.test_metrics import add_job
+from tests.support.db import add_job
 from tests.integration.transport_support import store_for
 
 
