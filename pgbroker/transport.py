@@ -471,11 +471,19 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any):
         super().__init__(client, **kwargs)
         self.settings = Settings.from_options(client.transport_options)
+        _db.refuse_plus_alternates(list(getattr(client, "alt", None) or []))
+        if _db.multi_host(client.hostname):
+            # kombu's as_uri (Celery's banner) asks the transport for such a URL, not its parser
+            self.can_parse_url = True
         self.conninfo = _db.kombu_conninfo(client)
         self.store = Store(self.conninfo, self.settings)
         #: LISTEN, claims, timers and the event loop of this connection's channels
         self.consumer = Consumer(self.store, self.settings, self.conninfo, self.channels,
                                  self.state, self._deliver, self.connection_errors)
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        """How kombu shows a multi-host libpq URL (only asked for one: ``can_parse_url``)."""
+        return _db.shown_url(uri, include_password, mask)
 
     #: kept for callers of the old name (``_db.kombu_conninfo`` is the one to call)
     _conninfo = staticmethod(_db.kombu_conninfo)

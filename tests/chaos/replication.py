@@ -52,18 +52,12 @@ class Cluster:
 
     def broker_url(self, dbname: str, form: str) -> str:
         """The broker URL of ``dbname`` in one of the forms a user may write: ``query`` and
-        ``netloc`` (:meth:`url`), ``alternates``: kombu's own failover list of plain
+        ``netloc`` (:meth:`url`), or ``alternates``: kombu's own failover list of plain
         ``pgbroker://`` URLs joined by ``;`` (kombu refuses a query string there, so libpq
-        cannot be told ``target_session_attrs``), or ``plus-alternates``: the same list of
-        ``pgbroker+postgresql://`` URLs, each with ``target_session_attrs=read-write``."""
+        cannot be told ``target_session_attrs``: pgbroker refuses a read-only server itself)."""
         if form == "alternates":
             return ";".join(f"pgbroker://postgres@127.0.0.1:{server.port}/{dbname}"
                             for server in (self.primary, self.standby))
-        if form == "plus-alternates":
-            return ";".join(
-                f"pgbroker+postgresql://postgres@127.0.0.1:{server.port}/{dbname}"
-                "?target_session_attrs=read-write&connect_timeout=3"
-                for server in (self.primary, self.standby))
         return "pgbroker+" + self.url(dbname, hosts_in_query=form == "query")
 
     def create_database(self) -> str:

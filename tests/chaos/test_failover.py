@@ -37,19 +37,6 @@ from tests.e2e.support import SHORT_LEASE, start_worker
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import run_beat, wait_for
 
-#: A multi-host netloc (``postgresql://u@a:p,b:q/db``) is a valid libpq URL, but the worker
-#: dies at start: Celery's banner asks kombu for ``as_uri()``, which parses the port as an int.
-NETLOC = ("a multi-host netloc kills the worker at start: kombu's as_uri() cannot parse "
-          "'p1,host:p2' as a port (issue 20, point 1)")
-#: kombu's ``a;b`` alternates of ``pgbroker+postgresql://`` URLs: after the failover the
-#: producer's publish never returns.
-#: kombu's ``a;b`` alternates of plain ``pgbroker://`` URLs: the worker logs "Will retry using
-#: next failover" and then nothing, running no task again.
-PLAIN_ALTERNATES = ("with a;b alternates of pgbroker:// URLs the worker never runs a task after "
-                    "'Will retry using next failover' (issue 20, point 1)")
-ALTERNATES = ("with a;b alternates of pgbroker+postgresql:// URLs a publish hangs after the "
-              "failover (issue 20, point 1)")
-
 
 def _at(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, timezone.utc)
@@ -83,14 +70,10 @@ def _count(url: str, keys: list[str]) -> int:
 
 
 @pytest.mark.parametrize("replicated", [
-    pytest.param((True, "netloc"), marks=pytest.mark.xfail(strict=True, reason=NETLOC)),
+    (True, "netloc"),
     (True, "query"),
-    pytest.param((True, "alternates"),
-                 marks=pytest.mark.xfail(strict=True, reason=PLAIN_ALTERNATES)),
-    pytest.param((True, "plus-alternates"),
-                 marks=pytest.mark.xfail(strict=True, reason=ALTERNATES)),
-], ids=["hosts-in-netloc", "hosts-in-query", "kombu-alternates", "kombu-plus-alternates"],
-    indirect=True)
+    (True, "alternates"),
+], ids=["hosts-in-netloc", "hosts-in-query", "kombu-alternates"], indirect=True)
 def test_failover_with_a_synchronous_standby_loses_no_published_task(
         replicated: tuple[Cluster, str, str]) -> None:
     made, url, broker = replicated
