@@ -116,6 +116,8 @@ class QoS(virtual.QoS):
                 consumer.defer_ack(channel, (job_id, attempt))
             else:
                 consumer.settle_rows("ack_delete" if transient else "ack", [(job_id, attempt)])
+                if consumer.defer_acks:  # the freed prefetch slot: claim again (retention 0)
+                    consumer.request_turn()
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
