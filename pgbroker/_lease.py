@@ -66,7 +66,7 @@ class Lease:
 
     def _register(self) -> None:
         conn = self._store.connect()
-        if self.settings.use_advisory_locks:
+        if self.settings.use_advisory_locks and not self.settings.transaction_pooling:
             self._lock_key = self._take_lock(conn)
         self._store.register_consumer(self.id, self._queues(), self._lock_key)
 

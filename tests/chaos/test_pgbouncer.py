@@ -24,12 +24,6 @@ from tests.e2e.support import SHORT_LEASE, start_worker
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import wait_for
 
-#: Today every store connection prepares its statements by name once (pgbroker_insert, ...),
-#: which the next transaction, on another server connection, cannot find.
-PREPARED = ("pgbroker prepares named statements once per connection: through transaction "
-            "pooling the next transaction finds none (issue 20, point 2)")
-
-
 @pytest.fixture
 def bouncer(runs: psycopg.Connection) -> Iterator[PgBouncer]:
     with pgbouncer("127.0.0.1", runs.info.port, reset_always=True) as made:
@@ -41,10 +35,14 @@ def _jobs(pg: psycopg.Connection, prefix: str) -> int:
                       (prefix + "%",)).fetchone()[0]
 
 
-@pytest.mark.xfail(strict=True, reason=PREPARED)
+@pytest.mark.parametrize("options", [{}, {"transaction_pooling": True}],
+                         ids=["found-out", "said"])
 def test_delay_through_transaction_pooling(bouncer: PgBouncer, db_url: str,
-                                           runs: psycopg.Connection) -> None:
-    point_producer(e2e.app, "pgbroker+" + bouncer.url(db_url))
+                                           runs: psycopg.Connection,
+                                           options: dict[str, bool]) -> None:
+    """``.delay()`` through the pooler, told so or finding out at the first statement it broke
+    (a prepared statement gone: nothing was written, the statement is sent again)."""
+    point_producer(e2e.app, "pgbroker+" + bouncer.url(db_url), options)
     try:
         for i in range(20):  # psycopg too prepares a statement at its 5th execution
             e2e.touch.apply_async((f"delay-{i}",), task_id=f"delay-{i}")
@@ -73,15 +71,19 @@ def test_enqueue_and_transaction_through_transaction_pooling(
                         ).fetchone()[0] == 10
 
 
-@pytest.mark.xfail(strict=True, reason=PREPARED)
 def test_worker_through_transaction_pooling(bouncer: PgBouncer, db_url: str,
-                                            runs: psycopg.Connection) -> None:
-    """A worker whose every connection goes through the pooler: no LISTEN, no advisory lock
-    (``use_advisory_locks: False``; heartbeats are the guarantee), claims by polling."""
+                                            runs: psycopg.Connection,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose every connection goes through the pooler (``transaction_pooling``): no
+    LISTEN (claims every ``poll_interval``), no advisory lock (heartbeats are the guarantee),
+    nothing prepared."""
     point_producer(e2e.app, "pgbroker+" + db_url)
+    # the tasks record their runs directly (psycopg's own prepared statements are the test's
+    # concern, not the broker's)
+    monkeypatch.setenv("PGBROKER_TEST_RUNS_URL", db_url)
     try:
         start_worker("pgbroker+" + bouncer.url(db_url), "-c", "2", options={
-            **SHORT_LEASE, "use_advisory_locks": False, "poll_interval": 0.5})
+            **SHORT_LEASE, "transaction_pooling": True, "poll_interval": 0.5})
         keys = [f"pooled-{i}" for i in range(30)]
         for key in keys:
             e2e.touch.apply_async((key,), task_id=key)
