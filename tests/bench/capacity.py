@@ -44,7 +44,8 @@ SECTIONS = ("durable", "capacity")
 CONFIRM = harness.Broker("rabbitmq_confirm", "RabbitMQ, publisher confirms", harness.RABBITMQ_URL,
                          transport_options={"confirm_publish": True})
 #: The transport options of each capacity run.
-VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (("default", {}),)
+VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("default", {}), ("retention0", {"retention": 0}))
 
 LABELS = {"pgbroker": "pgbroker", "rabbitmq_confirm": CONFIRM.label, "rabbitmq": "RabbitMQ"}
 
