@@ -104,6 +104,38 @@ class JobRow:
     properties: Any
 
 
+_shared: dict[tuple[int, str, Settings], list[Any]] = {}  # key -> [store, users]
+_shared_lock = threading.Lock()
+
+
+def acquire(conninfo: str, settings: Settings) -> Store:
+    """This process's one store for ``conninfo`` and ``settings``: every broker connection of a
+    process (a worker's consumer and its producer pool, a web process's threads) and their
+    leases share its connection (statements serialise on its lock), so that a worker holds two
+    connections (this one and its LISTEN one), not one per kombu connection. Counted: the
+    connection closes when the last user calls :func:`release`."""
+    key = (os.getpid(), conninfo, settings)
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None:
+            entry = _shared[key] = [Store(conninfo, settings), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release(store: Store) -> None:
+    """One user of an :func:`acquire` d store is done; the last one closes its connection (the
+    store stays, and reconnects if it is acquired again)."""
+    with _shared_lock:
+        for entry in _shared.values():
+            if entry[0] is store:
+                entry[1] = max(0, entry[1] - 1)
+                if entry[1]:
+                    return
+                break
+    store.close()
+
+
 class Store:
     """pgbroker's statements over one connection."""
 
@@ -123,6 +155,9 @@ class Store:
         #: through a transaction pooler: said (``transaction_pooling``) or found at the first
         #: statement it broke (:meth:`_pooler_found`)
         self.pooled = settings.transaction_pooling
+        #: called with every new connection, under the store's lock (a lease takes its advisory
+        #: lock again: it went with the old session)
+        self.on_connect: list[Any] = []
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -142,6 +177,8 @@ class Store:
                 self.conninfo, self.settings, application_name=self._application_name,
                 what="checking the pgbroker schema", setup=self._session_setup)
             register_jsonb_loaders(conn)  # claimed rows: unescaped, and one bad row alone
+            for hook in list(self.on_connect):
+                hook(conn)
             self._conn = conn
             self._sync = None
             self._lock_timeout = None
@@ -182,6 +219,7 @@ class Store:
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._exec_lock = threading.RLock()
+            self.on_connect = []  # the parent's leases are not this process's
             self._conn = None
             self._sync = None
             self._lock_timeout = None

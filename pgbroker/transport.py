@@ -66,7 +66,7 @@ from ._messages import (
 )
 from ._publish import UNROUTABLE, Publisher
 from ._routing import RoutingDirectExchange, RoutingTopicExchange, matches
-from ._store import Store
+from ._store import Store, acquire, release
 from .errors import MessageError
 from .settings import Settings
 
@@ -478,7 +478,8 @@ class Transport(virtual.Transport):
             # kombu's as_uri (Celery's banner) asks the transport for such a URL, not its parser
             self.can_parse_url = True
         self.conninfo = _db.kombu_conninfo(client)
-        self.store = Store(self.conninfo, self.settings)
+        self.store = acquire(self.conninfo, self.settings)  # shared in the process
+        self._holds_store = True
         #: LISTEN, claims, timers and the event loop of this connection's channels
         self.consumer = Consumer(self.store, self.settings, self.conninfo, self.channels,
                                  self.state, self._deliver, self.connection_errors)
@@ -513,6 +514,8 @@ class Transport(virtual.Transport):
     # -- connection ------------------------------------------------------------------------------
 
     def establish_connection(self) -> Transport:
+        if not self._holds_store:  # closed, and connected again
+            self.store, self._holds_store = acquire(self.conninfo, self.settings), True
         self.store.connect()  # really connects: a dead database is an error now, not later
         return super().establish_connection()
 
@@ -521,7 +524,9 @@ class Transport(virtual.Transport):
             super().close_connection(connection)  # restores unacked deliveries first
         finally:
             self.consumer.close()
-            self.store.close()
+            if self._holds_store:
+                self._holds_store = False
+                release(self.store)
 
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None
