@@ -105,6 +105,12 @@ class Consumer:
     def listen(self) -> psycopg.Connection[Any]:
         """The LISTEN connection, (re)opened if it is gone or was inherited through fork; the
         event loop's statements run on it too, so a new one starts them afresh."""
+        if not _db.owned(self._listener) and self.settings.transaction_pooling:
+            # poll-only: a LISTEN through the pooler stays on a server session not ours
+            self._listener = _db.connect(self.conninfo,
+                                         connect_timeout=self.settings.connect_timeout,
+                                         application_name="pgbroker loop")
+            self.line, self.in_flight = None, None
         if not _db.owned(self._listener):
             self._listener = _db.listen(self.conninfo, self.settings.channel,
                                         connect_timeout=self.settings.connect_timeout,

@@ -140,6 +140,32 @@ def kombu_conninfo(client: Any) -> str:
         password=client.password or None, dbname=dbname)
 
 
+def refuse_plus_alternates(alternates: list[str]) -> None:
+    """kombu's failover list (``a;b``) switches by parsing the next URL itself: a
+    ``pgbroker+postgresql://`` one then loses its libpq part (and its options), so refuse the
+    list at once rather than fail, or hang, at the failover."""
+    if len(alternates) > 1 and any("+" in a.partition("://")[0] for a in alternates):
+        raise ConfigurationError(
+            "failover alternates (a;b) must be plain pgbroker:// URLs: kombu cannot switch to a "
+            "pgbroker+postgresql:// one; list every server in one libpq URL instead: "
+            "pgbroker+postgresql://user@host1:5432,host2:5432/db?target_session_attrs=read-write")
+
+
+def multi_host(url: str | None) -> bool:
+    """``url`` is a libpq URL naming several hosts in its netloc (``u@a:p,b:q``), which kombu's
+    URL sanitizer cannot parse (it takes ``p,b:q`` for a port)."""
+    if not url or "://" not in url:
+        return False
+    return "," in url.partition("://")[2].partition("/")[0]
+
+
+def shown_url(url: str, include_password: bool = False, mask: str = "**") -> str:
+    """A libpq URL as kombu's ``as_uri`` shows one: ``pgbroker+`` in front, no query string,
+    the password masked (kombu's own sanitizer, for the URLs it can parse)."""
+    shown = url if include_password else mask_password(url, mask)
+    return "pgbroker+" + shown.partition("?")[0]
+
+
 def connect_kwargs(application_name: str = "pgbroker",
                    connect_timeout: float = 10.0) -> dict[str, Any]:
     """The libpq parameters of every pgbroker connection (keepalives, so a dead peer is
@@ -167,11 +193,25 @@ def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 
             f"cannot connect to PostgreSQL at {mask_password(libpq_url(conninfo))}: "
             f"{_first_line(exc)}"
         ) from exc
+    if read_only(conn):
+        conn.close()
+        raise DatabaseUnavailable(
+            f"cannot use PostgreSQL at {mask_password(libpq_url(conninfo))}: the server is "
+            "read-only (a standby in recovery, or default_transaction_read_only); pgbroker "
+            "writes: name the primary, or every server with target_session_attrs=read-write")
     conn.execute("SET TIME ZONE 'UTC'")
     if not autocommit:
         conn.commit()
     conn._pgbroker_pid = os.getpid()  # type: ignore[attr-defined]
     return conn
+
+
+def read_only(conn: psycopg.Connection[Any]) -> bool:
+    """The server said at connect (PostgreSQL 14+ reports both, no round trip) that it takes no
+    writes: a standby before its promotion, whose sessions fail every write and LISTEN. A
+    pooler that does not forward them (PgBouncer) says neither."""
+    status = conn.info.parameter_status
+    return "on" in (status("in_hot_standby"), status("default_transaction_read_only"))
 
 
 def close(conn: psycopg.Connection[Any] | None) -> None:
@@ -242,6 +282,9 @@ def translate_errors(what: str) -> Iterator[None]:
         yield
     except PgBrokerError:
         raise
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        # a standby reached without target_session_attrs, or a demoted primary: as good as gone
+        raise DatabaseUnavailable(f"{what}: the server is read-only: {_first_line(exc)}") from exc
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.TransactionRollback,
                             psycopg.errors.LockNotAvailable)):

@@ -2,13 +2,16 @@
 
 One :class:`Lease` per consuming broker connection. It registers the consumer (after taking its
 session advisory lock, so no sweeper can see the row without the lock), then a daemon thread
-heartbeats every ``heartbeat_interval`` and sweeps every ``sweep_interval``, over a connection of
-its own: a blocked event loop (a solo pool running a long task) does not stop the heartbeats, and
-a stopped process (SIGSTOP) or a dead host does.
+heartbeats every ``heartbeat_interval`` and sweeps every ``sweep_interval``, over the process's
+shared store (:func:`pgbroker._shared_store.acquire`; never the event loop's LISTEN connection): a
+blocked event loop (a solo pool running a long task) does not stop the heartbeats, and a stopped
+process (SIGSTOP) or a dead host does. The lock lives on that shared connection: when anyone
+reconnects it, the lease takes its lock again on the new session before it is used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -20,6 +23,7 @@ from typing import Any
 import psycopg
 
 from ._sql import Queries
+from ._shared_store import acquire, release
 from ._store import Store
 from .sweeper import Sweeper, lock_class
 
@@ -35,8 +39,9 @@ class Lease:
         self.id = uuid.uuid4()
         self.settings = store.settings
         self._queues = queues
-        # The lease's own connection and store: never the one the event loop claims with.
-        self._store = Store(store.conninfo, store.settings, application_name="pgbroker lease")
+        # The process's shared store (not the event loop's LISTEN connection), one more user
+        self._store = acquire(store.conninfo, store.settings)
+        self._store.on_connect.append(self._relock)
         self._lock_class = lock_class(self.settings.schema)
         self._lock_key: int | None = None
         self._q = Queries(self.settings.schema)
@@ -44,6 +49,8 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = False
+        self._locked_on: psycopg.Connection[Any] | None = None  # the session holding our lock
+        self._moved = False  # the lock key changed at a reconnect: register it at the next beat
         self._mutex = threading.Lock()
 
     def ensure(self, refresh: bool = False) -> uuid.UUID:
@@ -66,9 +73,22 @@ class Lease:
 
     def _register(self) -> None:
         conn = self._store.connect()
-        if self.settings.use_advisory_locks:
+        if self.settings.use_advisory_locks and not self.settings.transaction_pooling \
+                and conn is not self._locked_on:  # (a reconnect's _relock took it already)
             self._lock_key = self._take_lock(conn)
+            self._locked_on = conn
         self._store.register_consumer(self.id, self._queues(), self._lock_key)
+
+    def _relock(self, conn: psycopg.Connection[Any]) -> None:
+        """The shared store has a new session: take this consumer's lock again on it (the old
+        session's went with it), before any statement runs there. Another key if it is taken
+        (vanishingly rare): the next beat registers it."""
+        if self._lock_key is None or not self._started:
+            return
+        key = self._take_lock(conn)
+        self._locked_on = conn
+        if key != self._lock_key:
+            self._lock_key, self._moved = key, True
 
     def _take_lock(self, conn: psycopg.Connection[Any]) -> int:
         if self._lock_key is not None and self._try_lock(conn, self._lock_key):
@@ -88,6 +108,9 @@ class Lease:
         backoff = 0.5
         while not self._stop.wait(self.settings.heartbeat_interval):
             try:
+                if self._moved:
+                    self._moved = False
+                    self._register()
                 if not self._store.heartbeat(self.id, self._queues()):
                     logger.warning(
                         "pgbroker consumer %s was declared lost (no heartbeat for %ss); its "
@@ -110,14 +133,19 @@ class Lease:
                     logger.warning("pgbroker lease %s: cannot register again: %s", self.id, exc2)
 
     def close(self) -> None:
-        """Stop heartbeating and unregister (the lock goes with the connection)."""
+        """Stop heartbeating, unregister and let the lock go (the shared connection stays)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        with contextlib.suppress(ValueError):
+            self._store.on_connect.remove(self._relock)
         if self._started:
             try:
                 self._store.unregister_consumer(self.id)
+                if self._lock_key is not None:
+                    self._q.one(self._store.conn, "consumer_unlock",
+                                {"class": self._lock_class, "key": self._lock_key})
             except Exception as exc:  # noqa: BLE001 - the sweeper forgets us anyway
                 logger.debug("pgbroker lease %s: unregister failed: %s", self.id, exc)
-        self._store.close()
+        release(self._store)
 

@@ -40,17 +40,26 @@ class LoopStatements:
     def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
         self._pgconn = conn.pgconn
         self._order: dict[bytes, list[str]] = {}
+        #: through a transaction pooler: no session state, so each statement is sent whole
+        #: (text and types) and the server's own settings apply (acks then wait for the flush)
+        self._texts: dict[bytes, bytes] | None = {} if settings.transaction_pooling else None
         q = queries(settings.schema)
         with _db.translate_errors("preparing the claim"):
-            conn.execute("SET synchronous_commit = " + ("on" if settings.durable_acks else "off"))
-            conn.execute("SET plan_cache_mode = force_generic_plan")
-            # A claim waits for a row lock only on the rows of the acks folded into it (its
-            # candidates are SKIP LOCKED): one that meets a lock is sent again without its acks
-            # (as in Store.claim); one waiting for a table lock is sent again as it was.
-            conn.execute(f"SET lock_timeout = {int(CLAIM_LOCK_TIMEOUT * 1000)}")
+            if self._texts is None:
+                conn.execute("SET synchronous_commit = "
+                             + ("on" if settings.durable_acks else "off"))
+                conn.execute("SET plan_cache_mode = force_generic_plan")
+                # A claim waits for a row lock only on the rows of the acks folded into it (its
+                # candidates are SKIP LOCKED): one that meets a lock is sent again without its
+                # acks (as in Store.claim); one waiting for a table lock is sent again as it was.
+                conn.execute(f"SET lock_timeout = {int(CLAIM_LOCK_TIMEOUT * 1000)}")
             for name, key in self._STATEMENTS.items():
                 text, self._order[name] = _pq.numbered(q[key])
-                _pq.prepare(self._pgconn, name, text, [self._TYPES[n] for n in self._order[name]])
+                if self._texts is not None:
+                    self._texts[name] = text
+                else:
+                    _pq.prepare(self._pgconn, name, text,
+                                [self._TYPES[n] for n in self._order[name]])
         register_jsonb_loaders(conn)  # as in Store.connect
         self._tx = Transformer(conn)
         self._replan_at = monotonic() + _store.REPLAN_SECONDS  # as in Store (read at use)
@@ -93,10 +102,15 @@ class LoopStatements:
         assert self._sent is None, "a statement is in flight already"
         values = params if isinstance(params, list) else [params[n] for n in self._order[name]]
         with _db.translate_errors(f"pgbroker {self._STATEMENTS[name]}"):
-            if monotonic() >= self._replan_at:  # see REPLAN_SECONDS
-                _pq.run(self._pgconn, b"DISCARD PLANS")
-                self._replan_at = monotonic() + _store.REPLAN_SECONDS
-            _pq.send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
+            if self._texts is not None:
+                _pq.send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY,
+                         text=self._texts[name],
+                         types=[self._TYPES[n] for n in self._order[name]])
+            else:
+                if monotonic() >= self._replan_at:  # see REPLAN_SECONDS
+                    _pq.run(self._pgconn, b"DISCARD PLANS")
+                    self._replan_at = monotonic() + _store.REPLAN_SECONDS
+                _pq.send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values, acks)
 
     def result(self, wait: bool = False) -> list[JobRow] | None:

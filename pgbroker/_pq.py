@@ -21,9 +21,14 @@ __all__ = ["send", "prepare", "run", "finish", "collect", "numbered", "text_arra
 
 
 def send(pgconn: psycopg.pq.abc.PGconn, name: bytes, values: Sequence[bytes | None],
-         formats: Sequence[int] | None = None, result_format: int = 0) -> None:
-    """Send a prepared statement on a non-blocking connection, all of it."""
-    pgconn.send_query_prepared(name, values, formats, result_format)
+         formats: Sequence[int] | None = None, result_format: int = 0, *,
+         text: bytes | None = None, types: Sequence[int] | None = None) -> None:
+    """Send a prepared statement on a non-blocking connection, all of it; with ``text``, that
+    statement unnamed instead (through a transaction pooler, where nothing stays prepared)."""
+    if text is not None:
+        pgconn.send_query_params(text, values, types, formats, result_format)
+    else:
+        pgconn.send_query_prepared(name, values, formats, result_format)
     while pgconn.flush():  # the rest did not fit in the socket buffer yet
         readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
         if readable:

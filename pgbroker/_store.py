@@ -59,6 +59,10 @@ BROADCAST_TTL = 60.0
 MAINTENANCE_LOCK_TIMEOUT = 1.0
 
 #: Statements that create messages: durable unless the user opts into fast publishing.
+#: What a transaction pooler does to prepared statements: the next transaction runs on another
+#: server session, which lacks the statement (or has another client's of the same name).
+_POOLER_ERRORS = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+
 _PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcast_insert"})
 
 #: Parameters of job_insert sent in binary format (bytea).
@@ -116,6 +120,12 @@ class Store:
         self._prepared: dict[str, list[str]] = {}  # statements prepared on it: parameter names
         self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
         self._pid = os.getpid()
+        #: through a transaction pooler: said (``transaction_pooling``) or found at the first
+        #: statement it broke (:meth:`_pooler_found`)
+        self.pooled = settings.transaction_pooling
+        #: called with every new connection, under the store's lock (a lease takes its advisory
+        #: lock again: it went with the old session)
+        self.on_connect: list[Any] = []
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -133,15 +143,35 @@ class Store:
             # claim's is asserted in tests/bench/test_query_plans.py.
             conn = connect_ready(
                 self.conninfo, self.settings, application_name=self._application_name,
-                what="checking the pgbroker schema",
-                setup=lambda c: c.execute("SET plan_cache_mode = force_generic_plan"))
+                what="checking the pgbroker schema", setup=self._session_setup)
             register_jsonb_loaders(conn)  # claimed rows: unescaped, and one bad row alone
+            for hook in list(self.on_connect):
+                hook(conn)
             self._conn = conn
             self._sync = None
             self._lock_timeout = None
             self._prepared = {}
             self._replan_at = monotonic() + REPLAN_SECONDS
             return conn
+
+    def _session_setup(self, conn: psycopg.Connection[Any]) -> None:
+        if self.pooled:  # a session setting would stay on a server session of other clients
+            conn.prepare_threshold = None
+        else:
+            conn.execute("SET plan_cache_mode = force_generic_plan")
+
+    def _pooler_found(self, exc: BaseException) -> None:
+        """A prepared statement went missing, or was there already: a transaction pooler hands
+        this connection a different server session per transaction. From now on: nothing
+        prepared, no session settings (the failed statement did not run: it is sent again)."""
+        if not self.pooled:
+            logger.warning("pgbroker: %s -- the connection goes through a transaction pooler "
+                           "(PgBouncer?); statements are no longer prepared on it (set the "
+                           "transport option transaction_pooling: True to say so)",
+                           str(exc).strip().splitlines()[0])
+        self.pooled = True
+        if self._conn is not None and not self._conn.closed:
+            self._conn.prepare_threshold = None
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -157,6 +187,7 @@ class Store:
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._exec_lock = threading.RLock()
+            self.on_connect = []  # the parent's leases are not this process's
             self._conn = None
             self._sync = None
             self._lock_timeout = None
@@ -180,14 +211,21 @@ class Store:
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
             self._before_statement(conn, sync, lock_timeout)
-            return self.q.execute(conn, name, params, binary=binary)
+            try:
+                return self.q.execute(conn, name, params, binary=binary)
+            except _POOLER_ERRORS as exc:
+                self._pooler_found(exc)
+                return self.q.execute(conn, name, params, binary=binary)
 
     def _before_statement(self, conn: psycopg.Connection[Any], sync: bool,
                           lock_timeout: float | None = None) -> None:
         """Before every statement: drop the cached plans when they are due (``REPLAN_SECONDS``;
         the statements stay prepared, for psycopg's cache and ours), and set
         ``synchronous_commit`` and ``lock_timeout`` for this statement (each only when it
-        changes: maintenance and the claim set a timeout, the rest do not)."""
+        changes: maintenance and the claim set a timeout, the rest do not). Through a
+        transaction pooler, none of it: the server's own settings apply."""
+        if self.pooled:
+            return
         if monotonic() >= self._replan_at:
             conn.execute("DISCARD PLANS")
             self._replan_at = monotonic() + REPLAN_SECONDS
@@ -208,22 +246,37 @@ class Store:
         params["channel"] = self.settings.channel.encode()
         sync = self.settings.durable_publish
         self._check_fork()
+        if self.pooled:
+            self._insert_unprepared(job)
+            return
         with self._exec_lock, _db.translate_errors("pgbroker job_insert"):
             conn = self.conn
             self._before_statement(conn, sync)
             pgconn = conn.pgconn
-            names = self._prepared.get("job_insert")
-            if names is None:
-                text, names = _pq.numbered(self.q["job_insert"])
-                _pq.prepare(pgconn, b"pgbroker_insert", text)
-                self._prepared["job_insert"] = names
-            _pq.send(pgconn, b"pgbroker_insert", [params[n] for n in names],
-                     [1 if n in _BINARY_PARAMS else 0 for n in names])
-            results: list[Any] = []
-            _pq.collect(pgconn, results, wait=True)
-            for result in results:
-                _pq.check(result)
+            try:
+                names = self._prepared.get("job_insert")
+                if names is None:
+                    text, names = _pq.numbered(self.q["job_insert"])
+                    _pq.prepare(pgconn, b"pgbroker_insert", text)
+                    self._prepared["job_insert"] = names
+                _pq.send(pgconn, b"pgbroker_insert", [params[n] for n in names],
+                         [1 if n in _BINARY_PARAMS else 0 for n in names])
+                results: list[Any] = []
+                _pq.collect(pgconn, results, wait=True)
+                for result in results:
+                    _pq.check(result)
+            except _POOLER_ERRORS as exc:  # nothing was inserted: sent again, unprepared
+                self._pooler_found(exc)
+                self._insert_unprepared(job)
+                return
         if not results[-1].ntuples:  # no NOTIFY: nothing was inserted
+            self.duplicates([job])
+
+    def _insert_unprepared(self, job: NewJob) -> None:
+        """:meth:`insert` through a transaction pooler: one plain statement."""
+        rows = self._execute("job_insert", {**row_params(job),
+                                            "channel": self.settings.channel}).fetchall()
+        if not rows:
             self.duplicates([job])
 
     def insert_dead(self, job: NewJob, error: str) -> None:

@@ -59,6 +59,12 @@ class Settings:
     #: Largest headers and properties accepted at publish, together, in bytes of their JSON
     #: (RabbitMQ's frame_max: a header frame larger than 128 KiB fails there).
     max_header_size: int = 128 * 1024
+    #: The connections go through a transaction-pooling PgBouncer (or another pooler that hands
+    #: a server session to a client for one transaction only): no named prepared statements and
+    #: no session settings (every commit waits for the WAL flush, acks too), and no advisory locks
+    #: (heartbeats are the guarantee). Producers find out by themselves at the first statement
+    #: the pooler breaks; say it here to skip that one failed statement.
+    transaction_pooling: bool = False
     #: Seconds to wait for a connection to the database.
     connect_timeout: float = 10.0
     #: Wait for the WAL flush when publishing (PostgreSQL's synchronous_commit). Off is an opt-in
@@ -77,7 +83,8 @@ class Settings:
                 f"schema {self.schema!r} is not a valid pgbroker schema name: use lower-case "
                 "letters, digits and underscores, at most 48 characters, not starting with a digit"
             )
-        for name in ("auto_migrate", "use_advisory_locks", "durable_publish", "durable_acks"):
+        for name in ("auto_migrate", "use_advisory_locks", "durable_publish", "durable_acks",
+                     "transaction_pooling"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be true or false, not "
                                          f"{getattr(self, name)!r}")

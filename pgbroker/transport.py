@@ -67,6 +67,7 @@ from ._messages import (
 )
 from ._publish import UNROUTABLE, Publisher
 from ._routing import RoutingDirectExchange, RoutingTopicExchange, matches
+from ._shared_store import acquire, release
 from ._store import Store
 from .errors import MessageError
 from .settings import Settings
@@ -117,6 +118,8 @@ class QoS(virtual.QoS):
                 consumer.defer_ack(channel, (job_id, attempt))
             else:
                 consumer.settle_rows("ack_delete" if transient else "ack", [(job_id, attempt)])
+                if consumer.defer_acks:  # the freed prefetch slot: claim again (retention 0)
+                    consumer.request_turn()
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -472,11 +475,20 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any):
         super().__init__(client, **kwargs)
         self.settings = Settings.from_options(client.transport_options)
+        _db.refuse_plus_alternates(list(getattr(client, "alt", None) or []))
+        if _db.multi_host(client.hostname):
+            # kombu's as_uri (Celery's banner) asks the transport for such a URL, not its parser
+            self.can_parse_url = True
         self.conninfo = _db.kombu_conninfo(client)
-        self.store = Store(self.conninfo, self.settings)
+        self.store = acquire(self.conninfo, self.settings)  # shared in the process
+        self._holds_store = True
         #: LISTEN, claims, timers and the event loop of this connection's channels
         self.consumer = Consumer(self.store, self.settings, self.conninfo, self.channels,
                                  self.state, self._deliver, self.connection_errors)
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        """How kombu shows a multi-host libpq URL (only asked for one: ``can_parse_url``)."""
+        return _db.shown_url(uri, include_password, mask)
 
     @property
     def lease(self) -> Lease:
@@ -493,6 +505,8 @@ class Transport(virtual.Transport):
     # -- connection ------------------------------------------------------------------------------
 
     def establish_connection(self) -> Transport:
+        if not self._holds_store:  # closed, and connected again
+            self.store, self._holds_store = acquire(self.conninfo, self.settings), True
         self.store.connect()  # really connects: a dead database is an error now, not later
         return super().establish_connection()
 
@@ -501,7 +515,9 @@ class Transport(virtual.Transport):
             super().close_connection(connection)  # restores unacked deliveries first
         finally:
             self.consumer.close()
-            self.store.close()
+            if self._holds_store:
+                self._holds_store = False
+                release(self.store)
 
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None

@@ -7,6 +7,7 @@ Examples::
     python -m tests.bench --sections memory                # the slow RSS bench (100k tasks)
     python -m tests.bench --sections profile               # py-spy on a pgbroker worker's drain
     python -m tests.bench --sections ceiling --rounds 6    # against a bare jobs table
+    python -m tests.bench --sections durable,capacity --rounds 6   # issue 20: confirms, cost
     python -m tests.bench --plot docs/drain_vs_table_size.png
 
 RabbitMQ (127.0.0.1:5672) and Redis (127.0.0.1:6379) are measured when they answer; PostgreSQL
@@ -17,12 +18,13 @@ created and dropped for each part). Needs ``pip install -e '.[dev,bench]'`` and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tests.bench import harness
+from tests.bench import capacity, harness
 from tests.bench.harness import CONFIGS, LABELS
 
 # -- the table -----------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated, from: " + ", ".join(defaults.brokers))
     parser.add_argument("--sections", default=",".join(defaults.sections),
                         help="comma-separated, from: compare, pgbench, transport, scale, bulk, "
-                             "memory, profile, ceiling")
+                             "memory, profile, ceiling, durable, capacity")
     parser.add_argument("--scale-sizes", default=",".join(map(str, defaults.scale_sizes)),
                         help="completed rows at each point of the scale section")
     parser.add_argument("--memory-tasks", type=int, default=defaults.memory_tasks)
@@ -296,10 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         n=args.n, rounds=args.rounds, latency_samples=args.latency_samples,
         brokers=_names(args.brokers, defaults.brokers),
         sections=_names(args.sections, ("compare", "pgbench", "transport", "scale", "bulk",
-                                        "memory", "profile", "ceiling")),
+                                        "memory", "profile", "ceiling", *capacity.SECTIONS)),
         scale_sizes=tuple(int(s) for s in args.scale_sizes.split(",")),
         memory_tasks=args.memory_tasks, profile_tasks=args.profile_tasks)
-    results = harness.run(opts, args.out)
+    own = tuple(s for s in opts.sections if s in capacity.SECTIONS)
+    results = harness.run(dataclasses.replace(
+        opts, sections=tuple(s for s in opts.sections if s not in own)), args.out)
+    if own:
+        results.update(capacity.run(dataclasses.replace(opts, sections=own),
+                                    results["out_dir"]))
     print(table(results))
     if "profile" in results:
         print()
@@ -307,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     if "ceiling" in results:
         print()
         print(ceiling_report(results["ceiling"]))
+    if "durable" in results:
+        print()
+        print(capacity.durable_report(results["durable"]))
+    if "capacity" in results:
+        print()
+        print(capacity.capacity_report(results["capacity"]))
     if args.plot and "scale" in results:
         plot_scale(results, args.plot)
         print(f"\nplot: {args.plot}")

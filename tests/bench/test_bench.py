@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench import harness
+from tests.bench import capacity, harness
 from tests.bench.__main__ import ceiling_report, table
 
 pytestmark = pytest.mark.bench
@@ -73,3 +73,21 @@ def test_worker_memory_does_not_grow(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main - warm_main < 20, memory
     assert len(children) == len(warm_children) == 2, memory
     assert all(after - before < 20 for before, after in zip(warm_children, children)), memory
+
+
+def test_durable_publish_and_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """RabbitMQ with publisher confirms beside pgbroker (every task once on each), and the
+    per-task cost on a server of its own with pg_stat_statements (issue 20)."""
+    opts = harness.Options(n=int(os.environ.get("PGBROKER_BENCH_N", "1000")), rounds=1,
+                           latency_samples=30, sections=capacity.SECTIONS)
+    results = capacity.run(opts, str(tmp_path))
+    with capsys.disabled():
+        print("\n" + capacity.durable_report(results["durable"]))
+        print("\n" + capacity.capacity_report(results["capacity"]))
+    for broker, measured in results["durable"]["runs"].items():
+        assert [r["lost_or_duplicated"] for r in measured] == [0], (broker, measured)
+    phases = results["capacity"]
+    assert {"publish[default]", "drain[default]"} <= set(phases)
+    # one INSERT per publish, about one claim statement per task at prefetch 1 (acks folded in)
+    assert phases["publish[default]"]["statements_per_task"] >= 1
+    assert all(p["cpu_ms_per_task"] > 0 and p["wal_bytes_per_task"] > 0 for p in phases.values())

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import psycopg
@@ -36,7 +37,7 @@ from psycopg import sql
 from pgbroker.migrate import migrate
 from tests.support.db import free_port
 
-__all__ = ["ThrowawayServer", "find_bindir", "throwaway_server"]
+__all__ = ["ThrowawayServer", "find_bindir", "require_bindir", "throwaway_server"]
 
 _names = itertools.count(1)
 
@@ -59,14 +60,29 @@ def find_bindir() -> Path | None:
     return None
 
 
+def require_bindir() -> Path:
+    """:func:`find_bindir`, or skip the test saying why."""
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl, postgres) found: install "
+                    "postgresql or set PGBROKER_PG_BINDIR")
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        pytest.skip("running as root without runuser: cannot start PostgreSQL as postgres")
+    return bindir
+
+
 class ThrowawayServer:
     """One PostgreSQL cluster in a temporary directory, on ``127.0.0.1:<port>``."""
 
-    def __init__(self, bindir: Path, password: str | None = None):
+    def __init__(self, bindir: Path, password: str | None = None,
+                 settings: dict[str, str] | None = None, listen: str = "127.0.0.1"):
         """``password``: the ``postgres`` user's password, and scram-sha-256 authentication
-        (the default is trust, no password)."""
+        (the default is trust, no password). ``settings``: more ``-c name=value`` server
+        settings; ``listen``: ``listen_addresses`` (``*`` for hosts in network namespaces)."""
         self.bindir = bindir
         self.password = password
+        self.settings = dict(settings or {})
+        self.listen = listen
         self.root = Path(tempfile.mkdtemp(prefix="pgbroker-chaos-pg-"))
         self.datadir = self.root / "data"
         self.log = self.root / "server.log"
@@ -85,6 +101,11 @@ class ThrowawayServer:
     def url(self, dbname: str = "postgres") -> str:
         user = f"postgres:{quote(self.password, safe='')}" if self.password else "postgres"
         return f"postgresql://{user}@127.0.0.1:{self.port}/{dbname}"
+
+    def allow(self, line: str) -> None:
+        """Add a ``pg_hba.conf`` line (read at the next start or reload)."""
+        with open(self.datadir / "pg_hba.conf", "a") as f:
+            f.write(line + "\n")
 
     def _run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         command = [str(self.bindir / argv[0]), *argv[1:]]
@@ -116,9 +137,10 @@ class ThrowawayServer:
         return self
 
     def start(self) -> None:
-        options = (f"-c port={self.port} -c listen_addresses=127.0.0.1 "
+        options = (f"-c port={self.port} -c listen_addresses={self.listen} "
                    f"-c unix_socket_directories={self.root} -c max_connections=100 "
                    "-c shared_buffers=32MB")
+        options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         self._run("pg_ctl", "start", "-w", "-t", "60", "-D", str(self.datadir),
                   "-l", str(self.log), "-o", options)
 
@@ -155,15 +177,10 @@ class ThrowawayServer:
 
 
 @contextlib.contextmanager
-def throwaway_server(password: str | None = None) -> Iterator[ThrowawayServer]:
-    """A started :class:`ThrowawayServer`, destroyed on exit; skips the test without binaries."""
-    bindir = find_bindir()
-    if bindir is None:
-        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl, postgres) found: install "
-                    "postgresql or set PGBROKER_PG_BINDIR")
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        pytest.skip("running as root without runuser: cannot start PostgreSQL as postgres")
-    server = ThrowawayServer(bindir, password)
+def throwaway_server(password: str | None = None, **kwargs: Any) -> Iterator[ThrowawayServer]:
+    """A started :class:`ThrowawayServer`, destroyed on exit; skips the test without binaries.
+    ``kwargs``: ``settings``, ``listen`` (see :class:`ThrowawayServer`)."""
+    server = ThrowawayServer(require_bindir(), password, **kwargs)
     try:
         server.init().start()
         yield server

@@ -33,8 +33,9 @@ from tests.support.producers import drop_pools, point_producer
 from tests.support.db import db_now
 from tests.support.processes import run_beat, wait_for
 
-#: The application names of a consuming worker's three connections (pgbroker._db.connect).
-WORKER_CONNECTIONS = {"pgbroker", "pgbroker listen", "pgbroker lease"}
+#: The application names of a consuming worker's two connections (pgbroker._db.connect): the
+#: process's shared store (publishes, the lease) and the event loop's LISTEN one.
+WORKER_CONNECTIONS = {"pgbroker", "pgbroker listen"}
 
 
 @pytest.fixture
@@ -119,7 +120,7 @@ def _backends(pg: psycopg.Connection, pid: int) -> dict[int, tuple[str, str]]:
 
 
 def _listening(backends: dict[int, tuple[str, str]]) -> bool:
-    """All three connections are open and the LISTEN one has run its LISTEN (its first
+    """Both connections are open and the LISTEN one has run its LISTEN (its first
     statement: the event loop's claims follow it on that connection)."""
     names = {name for name, _ in backends.values()}
     return names >= WORKER_CONNECTIONS and any(
@@ -129,7 +130,8 @@ def _listening(backends: dict[int, tuple[str, str]]) -> bool:
 
 def test_terminated_backends_worker_reconnects_and_listens_again(
         producer: object, runs: psycopg.Connection, broker_url: str) -> None:
-    """``pg_terminate_backend`` on every connection of a worker (claims, LISTEN, lease) and of
+    """``pg_terminate_backend`` on every connection of a worker (LISTEN and claims; the shared
+    store's: publishes, lease) and of
     the producer, while two tasks run: the worker reconnects by itself and is woken by NOTIFY
     again -- its poll fallback is 120 s, so a task that runs within a minute was woken by a
     notification, not found by the poll."""
@@ -141,7 +143,7 @@ def test_terminated_backends_worker_reconnects_and_listens_again(
         e2e.nap.apply_async((key, 3), task_id=key)
     wait_for(lambda: all(key_runs(runs, k) for k in naps), 30, message="both naps running")
     old = wait_for(lambda: _listening(b := _backends(runs, worker.pid)) and b, 30,
-                   message="the worker's three connections")
+                   message="the worker's two connections")
     mine = _backends(runs, os.getpid())  # the producer's connection
     assert {name for name, _ in mine.values()} == {"pgbroker"}
 

@@ -18,7 +18,9 @@ import pgbroker  # noqa: F401 - registers pgbroker://
 from pgbroker._localdb import normalize_url
 
 BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127.0.0.1/postgres")
-DB_URL = normalize_url(BROKER_URL)
+#: Where tasks record their runs: the broker's database, or PGBROKER_TEST_RUNS_URL when the
+#: broker URL is not one libpq URL (kombu's ``a;b`` alternates in tests/chaos/test_failover.py).
+DB_URL = os.environ.get("PGBROKER_TEST_RUNS_URL") or normalize_url(BROKER_URL)
 
 app = Celery("e2eapp", broker=BROKER_URL)
 app.conf.update(

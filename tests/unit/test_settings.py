@@ -114,7 +114,7 @@ def test_require_idempotency_key_becomes_a_frozenset(given: object,
 
 
 @pytest.mark.parametrize("option", ["auto_migrate", "use_advisory_locks", "durable_publish",
-                                    "durable_acks"])
+                                    "durable_acks", "transaction_pooling"])
 @pytest.mark.parametrize("value", ["false", 0, 1, None])
 def test_boolean_options_refuse_non_booleans(option: str, value: object) -> None:
     # the string 'false' from an environment variable must not silently mean True

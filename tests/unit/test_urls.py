@@ -182,3 +182,19 @@ def test_as_uri_marks_where_the_password_was() -> None:
     # kombu's convention (amqp://guest:**@host//): the reader sees that a password is set
     assert kombu.Connection(f"pgbroker://u:{SECRET}@h/db").as_uri() == \
         "pgbroker://u:**@h:5432/db"
+
+
+def test_as_uri_of_a_multi_host_netloc() -> None:
+    # kombu's sanitizer takes "5432,h2:5433" for a port: Celery's banner killed the worker
+    conn = kombu.Connection(f"pgbroker+postgresql://u:{SECRET}@h1:5432,h2:5433/app"
+                            "?target_session_attrs=read-write")
+    assert conn.as_uri() == "pgbroker+postgresql://u:**@h1:5432,h2:5433/app"
+    assert SECRET not in conn.as_uri(include_password=True)  # it lives in kombu's field now
+    assert conninfo_to_dict(kombu_conninfo(conn))["host"] == "h1,h2"
+
+
+def test_alternates_of_plus_urls_are_refused_at_once() -> None:
+    # kombu parses the next alternate itself at a failover, and drops a "+" URL's libpq part
+    conn = kombu.Connection("pgbroker+postgresql://u@h1/db;pgbroker+postgresql://u@h2/db")
+    with pytest.raises(ConfigurationError, match="one libpq URL"):
+        conn.transport  # noqa: B018 - building the transport is what refuses
