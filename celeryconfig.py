@@ -21,7 +21,9 @@ broker_transport_options = {
     "require_idempotency_key": ["ticketflow.tasks.charge_payment"],
 }
 
-include = ["ticketflow.tasks"]
+# ticketflow.alerts connects pgbroker's signals (a paused task e-mails the owners; a dead money
+# job is logged at CRITICAL) in every worker
+include = ["ticketflow.tasks", "ticketflow.alerts"]
 
 # -- delivery: at least once, and nothing lost -----------------------------------------------------
 # Ack after the task ran, so a worker that dies mid-task has its task redelivered (every
@@ -53,10 +55,21 @@ timezone = "UTC"
 enable_utc = True
 
 # -- queues ----------------------------------------------------------------------------------------
+# Pools (seed 001): each task goes to the pool made for what it spends, one worker per pool
+# (docker-compose.yml; the README's commands):
+#   system  short sweeps and clean-ups      -Q system  -c 2
+#   heavy   CPU- and memory-heavy work      -Q heavy   -c 2 --max-memory-per-child 262144
+#           (one job per pool process at a time, prefetch 1; a process above the cap is
+#           replaced after its job)
+#   io      work that mostly waits on other systems (SMTP, the payment gateway): many at once
+#                                           -Q default,email -c 16
+# E-mails keep a queue of their own in the io pool: a burst of them never delays payments.
 task_default_queue = "default"
 task_routes = {
-    # E-mails have their own queue: a burst of them never delays payments.
     "ticketflow.tasks.send_confirmation_email": {"queue": "email"},
+    "ticketflow.tasks.charge_payment": {"queue": "default"},
+    "ticketflow.tasks.expire_reservations": {"queue": "system"},
+    "ticketflow.tasks.render_ticket_pdf": {"queue": "heavy"},
 }
 
 # -- beat: schedule state in PostgreSQL, each occurrence fired once however many beats run ---------

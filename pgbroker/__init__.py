@@ -9,6 +9,7 @@ from __future__ import annotations
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
+    DeliveryLost,
     IdempotencyKeyRequired,
     MessageError,
     OperationError,
@@ -17,14 +18,16 @@ from .errors import (
 )
 from .aio import aenqueue, aenqueue_many, atransaction
 from .enqueue import enqueue, enqueue_many, transaction
+from ._complete import complete
 from .migrate import migrate
 from .settings import Settings
-from . import _failures, _scheduled, _startup
+from . import _failures, _scheduled, _startup, signals  # noqa: F401 - signals: public
 from .transport import register_scheme
 
 __all__ = [
     "ConfigurationError",
     "DatabaseUnavailable",
+    "DeliveryLost",
     "IdempotencyKeyRequired",
     "MessageError",
     "OperationError",
@@ -34,9 +37,11 @@ __all__ = [
     "aenqueue",
     "aenqueue_many",
     "atransaction",
+    "complete",
     "enqueue",
     "enqueue_many",
     "migrate",
+    "signals",
     "transaction",
 ]
 

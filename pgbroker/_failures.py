@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery import signals
 
 from ._broker import find
@@ -74,7 +75,10 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
         if store is None:
             return
         error = _describe(exception)[:10000] if exception is not None else "task failed"
-        _record(store, job_id, attempt, error, _describe(einfo, name=False) if einfo else None)
+        # a pool process lost (SIGKILL, out of memory) without task_reject_on_worker_lost: Celery
+        # fails the task in the main process; it counts towards pausing the task name
+        _record(store, job_id, attempt, error, _describe(einfo, name=False) if einfo else None,
+                lost=isinstance(exception, WorkerLostError))
     except Exception as exc:  # noqa: BLE001 - never turn a task failure into a worker crash
         logger.error("pgbroker: could not record the failure of delivery %s (%s): %s; its ack "
                      "may complete it", tag, _describe(exception), exc)
@@ -94,7 +98,7 @@ def _describe(value: Any, name: bool = True) -> str:
 
 
 def _record(store: Store, job_id: uuid.UUID, attempt: int, error: str,
-            traceback: str | None) -> None:
+            traceback: str | None, lost: bool = False) -> None:
     """``store.fail``, retried on a new connection for up to RECORD_FOR seconds when the
     database cannot be reached; a row that refuses the text (a trigger, say) gets the error's
     first line alone."""
@@ -102,7 +106,7 @@ def _record(store: Store, job_id: uuid.UUID, attempt: int, error: str,
     delay = 0.1
     while True:
         try:
-            store.fail(job_id, attempt, error, traceback)
+            store.fail(job_id, attempt, error, traceback, lost)
             return
         except DatabaseUnavailable:
             store.close()

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg.adapt import Transformer
 
-from . import _db, _pq, _store
+from . import _db, _outcomes, _pq, _store
 from ._sql import queries
 from ._store import CLAIM_LOCK_TIMEOUT, JobRow
 from ._text import register_jsonb_loaders
@@ -143,11 +143,11 @@ class LoopStatements:
                 raise error
             self._retries = 0
             self._tx.set_pgresult(res)
-            if name != b"pgbroker_claim":  # job_ack: (id, attempt, done) of each delivery
+            if name != b"pgbroker_claim":  # job_ack: (id, attempt, done, state, task, error)
                 done = self._tx.load_rows(0, res.ntuples, tuple)
                 self._locked.extend((row[0], row[1]) for row in done if not row[2])
+                _outcomes.settled(done)
                 return []
-            rows = self._tx.load_rows(0, res.ntuples, lambda values: JobRow(*values))
-            rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
-            return rows
+            return _outcomes.claimed(self._tx.load_rows(0, res.ntuples,
+                                                        lambda values: JobRow(*values)))
         return None

@@ -13,6 +13,7 @@ import logging
 import uuid
 from time import monotonic
 
+from ._messages import REQUEUED
 from ._store import Store
 
 __all__ = ["RETRY", "Settler"]
@@ -38,7 +39,9 @@ class Settler:
                  again: bool = False) -> None:
         locked: list[Delivery] = []
         if op == "requeue":
-            self.store.requeue(deliveries, error, locked)
+            # Celery's reject(requeue=True) gives no reason: REQUEUED says what it means in a
+            # worker, a lost pool process (or a task's Reject(requeue=True), counted alike)
+            self.store.requeue(deliveries, error, locked, lost=error == REQUEUED)
         elif op == "bury":
             for job_id, attempt in deliveries:
                 self.store.bury(job_id, attempt, error or "", locked)

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from . import _db, _pq
+from . import _db, _outcomes, _pq
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
 from ._text import escape, register_jsonb_loaders
@@ -102,6 +102,10 @@ class JobRow:
     content_encoding: str | None
     headers: Any
     properties: Any
+    #: 'running'; 'dead' for an ack folded into the claim that ended its job dead (_outcomes)
+    state: str = "running"
+    task: str | None = None
+    last_error: str | None = None
 
 
 class Store:
@@ -325,9 +329,7 @@ class Store:
                 _keep_locked(list(zip(ids, attempts)), locked, "ack")
                 ids, attempts = [], []
                 params.update(ids=ids, attempts=attempts)
-        rows = [JobRow(*row) for row in cur.fetchall()]
-        rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
-        return rows
+        return _outcomes.claimed([JobRow(*row) for row in cur.fetchall()])
 
     def promote(self, queues: Sequence[str], limit: int = 1000) -> int:
         row = self._execute("job_promote", {"queues": list(queues), "limit": limit,
@@ -349,37 +351,60 @@ class Store:
         if not ids:
             return 0
         name = "job_ack_delete" if delete or self.settings.retention == 0 else "job_ack"
-        return self._settle(name, {"ids": ids, "attempts": attempts}, locked, "ack")
+        return len(self._settle(name, {"ids": ids, "attempts": attempts}, locked, "ack"))
 
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
                 error: str | None = None,
-                locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
+                locked: list[tuple[uuid.UUID, int]] | None = None, lost: bool = False) -> int:
+        """Give deliveries back; ``lost``: their worker was lost (:meth:`record_losses`)."""
         ids, attempts = _pq.split(deliveries)
         if not ids:
             return 0
-        return self._settle("job_requeue", {"ids": ids, "attempts": attempts,
-                                            "error": _error(error),
-                                            "channel": self.settings.channel}, locked, "requeue")
+        done = self._settle("job_requeue", {"ids": ids, "attempts": attempts,
+                                             "error": _error(error),
+                                             "channel": self.settings.channel}, locked, "requeue")
+        if lost:
+            self.record_losses(done)
+        return len(done)
 
     def bury(self, job_id: uuid.UUID, attempt: int, error: str,
              locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
-        return self._settle("job_bury", {"id": job_id, "attempt": attempt,
-                                         "error": _error(error)}, locked, "bury")
+        return len(self._settle("job_bury", {"id": job_id, "attempt": attempt,
+                                             "error": _error(error)}, locked, "bury"))
 
     def _settle(self, name: str, params: dict[str, Any],
-                locked: list[tuple[uuid.UUID, int]] | None, what: str) -> int:
-        """Run an ack, requeue or bury (rows: id, attempt, done); the deliveries not done
-        because their row is locked go to ``locked``."""
+                locked: list[tuple[uuid.UUID, int]] | None, what: str
+                ) -> list[tuple[uuid.UUID, int]]:
+        """Run an ack, requeue or bury; returns the deliveries settled (those whose row another
+        session holds locked go to ``locked``; the dead ones are signalled: _outcomes)."""
         rows = self._execute(name, params, durable=False).fetchall()
         _keep_locked([(r[0], r[1]) for r in rows if not r[2]], locked, what)
-        return sum(1 for r in rows if r[2])
+        return _outcomes.settled(rows)
 
-    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None) -> int:
-        """Record that the task of this delivery raised (before its ack). It waits for a lock
-        on the row: its ack must not come first (pgbroker._failures)."""
-        return self._execute("job_fail", {"id": job_id, "attempt": attempt,
+    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None,
+             lost: bool = False) -> int:
+        """Record that the task of this delivery raised, before its ack (it waits for the row's
+        lock: pgbroker._failures); ``lost``: Celery's ``WorkerLostError``."""
+        rows = self._execute("job_fail", {"id": job_id, "attempt": attempt,
                                           "error": _error(error),
-                                          "traceback": _error(traceback)}).rowcount
+                                          "traceback": _error(traceback)}).fetchall()
+        _outcomes.failed(job_id, rows)
+        if rows and lost:
+            self.record_losses([(job_id, attempt)])
+        return len(rows)
+
+    def record_losses(self, deliveries: Sequence[tuple[uuid.UUID, int]],
+                      via: str = "worker") -> None:
+        """These deliveries lost their worker: count them towards pausing their task names
+        (sql/tasks.sql). Never raises: a loss not counted only delays a pause."""
+        if deliveries and self.settings.pause_task_after:
+            ids, attempts = _pq.split(deliveries)
+            try:
+                _outcomes.paused(self._execute("task_loss_record", {
+                    "ids": ids, "attempts": attempts, "via": via,
+                    "pause_after": self.settings.pause_task_after}).fetchall())
+            except Exception as exc:  # noqa: BLE001 - the requeue or rescue itself is done
+                logger.warning("pgbroker: could not count %d lost deliveries: %s", len(ids), exc)
 
     # -- remote control (sql/revoke.sql) ---------------------------------------------------------
 
@@ -437,12 +462,13 @@ class Store:
 
     def rescue(self, lock_class: int, limit: int = 1000,
                now: datetime | None = None) -> tuple[int, int, int]:
-        """Orphaned running jobs back to pending (or dead); returns (requeued, dead, consumers)."""
+        """Orphans back to pending (or dead), each a lost delivery; (requeued, dead, consumers)."""
         row = self._execute("job_rescue", {
             "lease": self.settings.lease_timeout, "lock_class": lock_class, "limit": limit,
             "channel": self.settings.channel, "now": now},
             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         assert row is not None
+        self.record_losses(_outcomes.rescued(row), via="sweeper")
         return int(row[0]), int(row[1]), int(row[2])
 
     def expire(self, limit: int = 1000, now: datetime | None = None) -> int:

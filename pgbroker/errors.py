@@ -8,7 +8,9 @@
      ├── SchemaError                          schema missing, or migrated by a newer pgbroker
      ├── MessageError (ValueError)            a message refused at publish (size, name, header)
      │    └── IdempotencyKeyRequired          a task configured to need a key was sent without one
-     └── OperationError                       an operator action that cannot be done as asked
+     ├── OperationError                       an operator action that cannot be done as asked
+     └── DeliveryLost                         pgbroker.complete(): the delivery is no longer the
+                                              task's to complete (its transaction must not commit)
 
 Driver errors are translated in :mod:`pgbroker._db` with ``__cause__`` kept.
 """
@@ -23,6 +25,7 @@ __all__ = [
     "MessageError",
     "IdempotencyKeyRequired",
     "OperationError",
+    "DeliveryLost",
 ]
 
 
@@ -52,3 +55,8 @@ class IdempotencyKeyRequired(MessageError):
 
 class OperationError(PgBrokerError):
     """An operator action that cannot be done as asked; the message says why. Nothing changed."""
+
+
+class DeliveryLost(PgBrokerError):
+    """:func:`pgbroker.complete` cannot complete the current delivery (it was taken back, acked
+    on receipt or completed already): the task's transaction must not commit."""

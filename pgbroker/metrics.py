@@ -114,6 +114,8 @@ class Snapshot:
     duration: float                    #: seconds the scrape took
     hidden: int = 0                    #: Celery-internal queues left out (is_internal_queue)
     duplicates: dict[str, int] = dataclasses.field(default_factory=dict)  #: per queue, ever
+    #: paused task names: when, by whom, why, the jobs that caused it, how many jobs wait
+    paused_tasks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def queues(self) -> list[QueueStats]:
         """Per-queue totals, for every queue that has jobs, is declared, has consumers or had
@@ -137,6 +139,9 @@ class Snapshot:
             "consumers_alive": self.consumers_alive,
             "internal_queues_hidden": self.hidden,
             "beat": [{"entry": k, "last_run_age_seconds": v} for k, v in self.beat.items()],
+            "paused_tasks": [{"task": k, **v, "paused_at": v["paused_at"].isoformat(),
+                              "job_ids": [str(j) for j in v["job_ids"]]}
+                             for k, v in self.paused_tasks.items()],
         }
 
 
@@ -258,6 +263,8 @@ class MetricsReader:
             duration=time.perf_counter() - began,
             hidden=sum(not shown(q) for q in every),
             duplicates={q: n for q, n in duplicates.items() if shown(q)},
+            paused_tasks={r["task"]: {k: v for k, v in r.items() if k != "task"}
+                          for r in self.q.dicts(conn, "task_pause_list", {})},
         )
 
     def _beat(self, conn: psycopg.Connection[Any]) -> dict[str, float | None]:
@@ -353,3 +360,10 @@ class _Collector:
             if age is not None:
                 beat.add_metric([entry], age)
         yield beat
+        tasks = GaugeMetricFamily(
+            "pgbroker_task_paused", "1 if the task name is paused (no worker claims it): by "
+            "pgbroker after deliveries in a row lost their worker, or by an operator",
+            labels=["task"])
+        for task in sorted({t.task for t in snap.tasks if t.task} | set(snap.paused_tasks)):
+            tasks.add_metric([task], int(task in snap.paused_tasks))
+        yield tasks

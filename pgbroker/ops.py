@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from . import signals
 from ._sql import Queries
 from .errors import OperationError
 from .settings import Settings
@@ -476,6 +477,38 @@ class Operations:
             logger.info("pgbroker: %s pruned %d unused queue(s) and %d exchange(s)", self.actor,
                         queues, exchanges)
         return queues, exchanges
+
+    # -- task names (sql/tasks.sql) ---------------------------------------------------------------
+
+    def paused_tasks(self) -> list[dict[str, Any]]:
+        """The paused task names: why, by whom, since when, the jobs that caused it (``job_ids``)
+        and how many of its jobs wait (``waiting``)."""
+        return self._rows("task_pause_list", {})
+
+    def loss_streaks(self) -> list[dict[str, Any]]:
+        """Task names whose last deliveries lost their worker, not (yet) paused."""
+        return self._rows("task_loss_list", {})
+
+    def pause_task(self, task: str, reason: str = "") -> bool:
+        """Stop every worker claiming jobs of task name ``task`` (its jobs wait, pending);
+        False if it was paused already. Audited, with ``reason``."""
+        return self._set_task_paused(task, True, reason or f"paused by {self.actor}")
+
+    def resume_task(self, task: str, reason: str = "") -> bool:
+        """Let workers claim task name ``task`` again (and wake them); False if it was not
+        paused. Audited, with ``reason``; also ends its streak of lost deliveries."""
+        return self._set_task_paused(task, False, reason or f"resumed by {self.actor}")
+
+    def _set_task_paused(self, task: str, paused: bool, reason: str) -> bool:
+        if not isinstance(task, str) or not task.strip():
+            raise OperationError("give a task name (as Celery names it: module.function)")
+        rows = self._rows("task_set_paused", {**self._base(), "task": task, "paused": paused,
+                                              "reason": reason})
+        if rows and paused:
+            signals.send_task_paused(task, reason, [], self.actor)
+        elif rows:
+            signals.send_task_resumed(task, reason, self.actor)
+        return bool(rows)
 
     def _set_paused(self, queue: str, paused: bool) -> bool:
         self._require_queue(queue)

@@ -76,6 +76,9 @@ class Settings:
     durable_acks: bool = False
     #: Task names that must be sent with an idempotency key.
     require_idempotency_key: frozenset[str] = frozenset()
+    #: Deliveries of one task name in a row that lose their worker (killed, out of memory,
+    #: unreachable) before that task name is paused (not claimed until resumed); 0: never.
+    pause_task_after: int = 5
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, str) or not _SCHEMA_RE.fullmatch(self.schema):
@@ -93,6 +96,10 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
+        if not isinstance(self.pause_task_after, int) or isinstance(self.pause_task_after, bool) \
+                or self.pause_task_after < 0:
+            raise ConfigurationError(f"pause_task_after must be an integer >= 0 (0: never pause), "
+                                     f"not {self.pause_task_after!r}")
         for name in ("retention", "lease_timeout", "heartbeat_interval", "sweep_interval",
                      "poll_interval", "connect_timeout"):
             value = getattr(self, name)

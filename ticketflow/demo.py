@@ -5,7 +5,8 @@ What it does, in order:
 1. finds PostgreSQL (``PGBROKER_DATABASE_URL``, else 127.0.0.1:5432, else an embedded server it
    starts and stops), creates a database of its own there (``--database``, default
    ``ticketflow_demo``) and migrates pgbroker's schema and ticketflow's into it;
-2. starts ``celery -A ticketflow worker -Q default,email`` and ``celery -A ticketflow beat`` as
+2. starts ``celery -A ticketflow worker -Q default,email,system,heavy`` (every pool's queues)
+   and ``celery -A ticketflow beat`` as
    child processes, handing them the database URL (their logs go to files);
 3. creates an event and a few hundred reservations, in waves: most are confirmed (an e-mail job
    each), some of those paid (a charge job each; a few cards fail transiently and are retried
@@ -57,7 +58,7 @@ from pgbroker.settings import Settings
 
 from . import app, db, services
 from .schedule import ENV_EXPIRE_INTERVAL
-from .tasks import ENV_PDF_SECONDS
+from .tasks import ENV_CHARGE_BACKOFF, ENV_PDF_SECONDS
 
 __all__ = ["Plan", "SHORT", "FULL", "main", "add_arguments"]
 
@@ -196,12 +197,14 @@ def start_children(url: str, plan: Plan, log_dir: Path) -> list[Child]:
         ENV_DATABASE_URL: url,
         ENV_EXPIRE_INTERVAL: str(plan.expire_interval),
         ENV_PDF_SECONDS: str(plan.pdf_seconds),
+        # a demo's gateway timeouts are retried within seconds, not seed 000's minutes
+        ENV_CHARGE_BACKOFF: env.get(ENV_CHARGE_BACKOFF) or "1,2,4,8",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(cwd), env.get("PYTHONPATH")) if p),
     })
     celery = [sys.executable, "-m", "celery", "-A", "ticketflow"]
     children = [Child("worker", celery + [
-        "worker", "-Q", "default,email", "-c", "2", "-l", "INFO",
+        "worker", "-Q", "default,email,system,heavy", "-c", "2", "-l", "INFO",
         "-n", f"ticketflow-demo-{os.getpid()}@%h"], env, cwd, log_dir / "worker.log")]
     try:
         children.append(Child("beat", celery + [

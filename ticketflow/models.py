@@ -28,7 +28,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
     "SCHEMA", "Base", "Event", "Reservation", "Payment", "PaymentAttempt", "SentEmail",
-    "TaskDedup", "Ticket", "HELD", "CONFIRMED", "EXPIRED", "PENDING", "SUCCEEDED", "FAILED",
+    "OwnerNotice", "TaskDedup", "Ticket", "HELD", "CONFIRMED", "EXPIRED", "PENDING",
+    "SUCCEEDED", "FAILED",
 ]
 
 SCHEMA = "ticketflow"
@@ -100,7 +101,8 @@ class SentEmail(Base):
     __tablename__ = "sent_emails"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    reservation_id: Mapped[int] = mapped_column(BigInteger, ForeignKey(Reservation.id))
+    #: None for an e-mail to the owners (migration 0002)
+    reservation_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey(Reservation.id))
     kind: Mapped[str] = mapped_column(Text)
     recipient: Mapped[str] = mapped_column(Text)
     subject: Mapped[str] = mapped_column(Text)
@@ -125,3 +127,16 @@ class Ticket(Base):
                                                 primary_key=True)
     pdf: Mapped[bytes] = mapped_column(LargeBinary)
     rendered_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+
+
+class OwnerNotice(Base):
+    """A notice to an owner of the deployment, shown in the app (migration 0002)."""
+
+    __tablename__ = "owner_notices"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    owner: Mapped[str] = mapped_column(Text)
+    subject: Mapped[str] = mapped_column(Text)
+    body: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    read_at: Mapped[datetime | None] = mapped_column(Timestamp)

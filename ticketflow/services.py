@@ -38,6 +38,7 @@ from .models import (
     PENDING,
     SUCCEEDED,
     Event,
+    OwnerNotice,
     Payment,
     PaymentAttempt,
     Reservation,
@@ -50,7 +51,7 @@ __all__ = [
     "TicketflowError", "NotFound", "SoldOut", "InvalidState", "HoldExpired",
     "PRICE_CENTS", "DEFAULT_HOLD_SECONDS",
     "create_event", "reserve", "confirm", "pay", "charge", "fail_payment",
-    "send_confirmation", "render_ticket", "expire_reservations", "claim_once",
+    "send_confirmation", "render_ticket", "expire_reservations", "claim_once", "notify_owners",
 ]
 
 logger = logging.getLogger(__name__)
@@ -419,3 +420,16 @@ def render_ticket(session: Session, reservation_id: int, seconds: float = 0.5) -
             .on_conflict_do_nothing(index_elements=[Ticket.reservation_id])
             .returning(Ticket.reservation_id)).first()
     return inserted is not None
+
+
+def notify_owners(session: Session, owners: list[str], subject: str, body: str) -> int:
+    """Tell each owner of the deployment: a notice in the app and an e-mail (``sent_emails``,
+    with no reservation), in one transaction; returns how many owners."""
+    if not owners:
+        raise ValueError("no owner to notify")
+    with _transaction(session):
+        for owner in owners:
+            session.add(OwnerNotice(owner=owner, subject=subject, body=body))
+            session.add(SentEmail(reservation_id=None, kind="owner-notice", recipient=owner,
+                                  subject=subject, body=body))
+    return len(owners)

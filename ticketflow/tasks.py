@@ -9,11 +9,18 @@ idempotent, so a redelivery (a worker killed mid-task, a duplicated message) doe
   ``task_dedup`` row written in the same transaction as the e-mail.
 * :func:`charge_payment`: a money task. pgbroker refuses to enqueue it without an idempotency key
   (``require_idempotency_key`` in ``celeryconfig.py``); transient gateway and database errors are
-  retried with exponential backoff and jitter; a declined card, or the last retry's failure, ends
-  the job ``dead`` in pgbroker with its error (a dead letter an operator sees) and the payment
-  ``failed``.
+  retried after seed 000's fixed table of waits (10 s, 40 s, 3 min, 12 min; with jitter:
+  :class:`pgbroker.backoff.TableBackoff`; ``TICKETFLOW_CHARGE_BACKOFF`` sets another table, the
+  demo and the tests a short one); a declined card, or the last retry's failure, ends the job
+  ``dead`` in pgbroker with its error (a dead letter an operator sees, logged at CRITICAL by
+  :mod:`ticketflow.alerts`) and the payment ``failed``.
 * :func:`expire_reservations`: run by beat every minute.
 * :func:`render_ticket_pdf`: slow, with a time limit.
+
+Each task runs in a pool made for what it spends (``task_routes`` in ``celeryconfig.py``, one
+worker per pool in ``docker-compose.yml``): ``system`` (short sweeps), ``heavy`` (CPU and memory:
+one job per pool process, replaced above a memory cap) and ``io`` (e-mails and charges, which
+mostly wait on other systems: many at a time).
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ import logging
 import os
 from typing import Any
 
-from celery import Task, shared_task
+from celery import shared_task
 from sqlalchemy.exc import OperationalError
 
 from pgbroker import DatabaseUnavailable
+from pgbroker.backoff import SEED_TABLE, TableBackoff
 
 from . import db, jobs, services
 from .gateway import TransientPaymentError
@@ -35,8 +43,10 @@ __all__ = ["send_confirmation_email", "charge_payment", "expire_reservations",
 
 logger = logging.getLogger(__name__)
 
-#: Retries of a charge after its first attempt (backoff 1, 2, 4, 8 s, each with full jitter).
+#: Retries of a charge after its first attempt.
 CHARGE_MAX_RETRIES = 4
+#: Seconds between a charge's retries, comma-separated (default: seed 000's table).
+ENV_CHARGE_BACKOFF = "TICKETFLOW_CHARGE_BACKOFF"
 #: Seconds a (fake) PDF render takes; the demo and the tests shorten it.
 ENV_PDF_SECONDS = "TICKETFLOW_PDF_SECONDS"
 
@@ -48,11 +58,19 @@ def send_confirmation_email(reservation_id: int) -> bool:
         return services.send_confirmation(session, reservation_id)
 
 
-class _PaymentTask(Task):
-    """Marks the payment ``failed`` when its charge gives up (declined, or out of retries).
+def _charge_backoff() -> tuple[float, ...]:
+    text = os.environ.get(ENV_CHARGE_BACKOFF)
+    return tuple(float(s) for s in text.split(",")) if text else SEED_TABLE
+
+
+class _PaymentTask(TableBackoff):
+    """Retries after the table of waits; marks the payment ``failed`` when its charge gives up
+    (declined, or out of retries).
 
     ``on_failure`` runs for the final failure only, not for the retries.
     """
+
+    retry_table = _charge_backoff()
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any,
                    einfo: Any) -> None:
@@ -68,7 +86,6 @@ class _PaymentTask(Task):
 
 @shared_task(name=jobs.CHARGE_PAYMENT, base=_PaymentTask,
              autoretry_for=(TransientPaymentError, OperationalError, DatabaseUnavailable),
-             retry_backoff=True, retry_backoff_max=60, retry_jitter=True,
              max_retries=CHARGE_MAX_RETRIES)
 def charge_payment(payment_id: int) -> str:
     """Charge a payment; returns its state. See :func:`ticketflow.services.charge`."""

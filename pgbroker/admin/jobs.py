@@ -209,6 +209,10 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
         changed = ops.resume(form("queue"))
         return f"Queue {form('queue')} {'resumed' if changed else 'was not paused'}."
 
+    def resume_task(ops: Operations) -> str:
+        changed = ops.resume_task(form("task"), form("reason"))
+        return f"Task {form('task')} {'resumed' if changed else 'was not paused'}."
+
     def schedules(ops: Operations) -> Schedules:
         return Schedules(ops.conn, ops.settings.schema, actor=ops.actor, via="admin")
 
@@ -232,6 +236,7 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
     action("/jobs/cancel", cancel)
     action("/queues/pause", pause)
     action("/queues/resume", resume)
+    action("/tasks/resume", resume_task)
     action("/beat/enable", beat_enable, "/beat")
     action("/beat/disable", beat_disable, "/beat")
     action("/beat/run", beat_run, "/beat")

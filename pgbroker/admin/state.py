@@ -78,8 +78,11 @@ def operations() -> Iterator[Operations]:
 
 
 def paused() -> list[dict[str, Any]]:
-    """What is paused: queues now (and, once pgbroker has them, task types)."""
-    return [{"kind": "queue", **r} for r in admin_state().rows("queue_paused_list")]
+    """What is paused: queues, and task names (with why and the jobs that caused it)."""
+    return [{"kind": "queue", **r} for r in admin_state().rows("queue_paused_list")] + [
+        {"kind": "task", "name": r["task"], "actor": r["paused_by"], "at": r["paused_at"],
+         "reason": r["reason"], "job_ids": r["job_ids"], "waiting": r["waiting"]}
+        for r in admin_state().rows("task_pause_list")]
 
 
 _URL_NOISE = re.compile(r"[\t\n\r]")

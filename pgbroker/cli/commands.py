@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from contextlib import closing
 from typing import Any
 
+from celery.app.utils import find_app
+
 from .. import health
 from .._messages import message_to_job
 from .._revoke import RevokeRequest, apply, pidbox_message
@@ -65,6 +67,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"publishes dropped as duplicates, ever{hidden}")
     for entry, age in snap.beat.items():
         print(f"beat {entry}: last run {'never' if age is None else f'{age:.0f} s ago'}")
+    for task, p in snap.paused_tasks.items():
+        print(f"task {task}: PAUSED since {p['paused_at']:%Y-%m-%d %H:%M:%S} by {p['paused_by']}"
+              f" ({p['waiting']} job(s) waiting): {first_line(p['reason'])}; jobs that caused "
+              f"it: {' '.join(map(str, p['job_ids'])) or '-'} (pgbroker task resume {task})")
     return 0
 
 
@@ -117,10 +123,19 @@ def _print_rows(rows: list[dict[str, Any]], as_json: bool, headers: Sequence[str
 def cmd_dead_list(ops: Operations, args: argparse.Namespace) -> int:
     return _print_rows(
         ops.dead(args.queue, args.limit), args.json,
-        ["ID", "QUEUE", "TASK", "ATTEMPTS", "DIED", "POISON", "ERROR"],
-        lambda r: [r["id"], r["queue"], r["task"], f"{r['attempts']}/{r['max_attempts']}",
-                   r["updated_at"], "POISON" if r["poison"] else "",
+        ["ID", "QUEUE", "TASK", "RUNS", "ATTEMPTS", "DIED", "POISON", "ERROR"],
+        # RUNS: deliveries of the task across Celery's retries (each retry is a new row, with
+        # attempts of its own); ATTEMPTS: this row's
+        lambda r: [r["id"], r["queue"], r["task"], _runs(r),
+                   f"{r['attempts']}/{r['max_attempts']}", r["updated_at"],
+                   "POISON" if r["poison"] else "",
                    first_line(r["last_error"])])
+
+
+def _runs(row: dict[str, Any]) -> str:
+    retries = row["retries"]
+    return f"{row['runs']}" + (f" ({retries} retr{'y' if retries == 1 else 'ies'})"
+                               if retries else "")
 
 
 def dead_action(action: str) -> Callable[[Operations, argparse.Namespace], int]:
@@ -201,7 +216,12 @@ def cmd_audit(ops: Operations, args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     settings = Settings(schema=args.schema, auto_migrate=False, retention=args.retention,
                         lease_timeout=args.lease_timeout,
-                        heartbeat_interval=args.lease_timeout / 2)
+                        heartbeat_interval=args.lease_timeout / 2,
+                        pause_task_after=args.database.settings.pause_task_after)
+    if args.app:
+        # the app's modules (its include list), as a worker imports them: their receivers of
+        # pgbroker.signals (job_dead, task_paused) hear what this sweep does
+        find_app(args.app).loader.import_default_modules()
     store = Store(url_of(args), settings, application_name="pgbroker sweep")
     stop = threading.Event()
     if args.loop:

@@ -16,7 +16,7 @@ from .._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from ..migrate import LOCK_TIMEOUT
 from ..ops import DEFAULT_BATCH_SIZE, IDLE_QUEUE_SECONDS, JOB_STATES
 from ..settings import Settings
-from . import schedule
+from . import schedule, tasks
 from .commands import (
     cmd_audit,
     cmd_cancel,
@@ -241,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how late a run may complete after its occurrence (default: 60)")
 
     schedule.register(sub, parents=[common])  # schedule list|add|enable|disable|delete
+    tasks.register(sub, parents=[common])  # task list|pause|resume
     return parser
 
 

@@ -143,11 +143,19 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: dead_list
--- Dead letters, most recent death first (jobs_dead_idx).
-SELECT id, queue, task, task_id, attempts, max_attempts, updated_at, last_error, last_traceback
-FROM {schema}.jobs
-WHERE state = 'dead' AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-ORDER BY updated_at DESC
+-- Dead letters, most recent death first (jobs_dead_idx). runs: the deliveries of the task across
+-- Celery's retries -- self.retry() and autoretry publish each retry as a new row with the same
+-- task id (and retries + 1), whose attempts start at 0 again -- summed over the rows still kept
+-- (jobs_message_idx leads with task_id: one probe per dead letter). A plain kombu message (no
+-- task id) ran as often as its attempts.
+SELECT j.id, j.queue, j.task, j.task_id, j.retries, j.attempts, j.max_attempts, j.updated_at,
+       j.last_error, j.last_traceback,
+       coalesce((SELECT sum(r.attempts) FROM {schema}.jobs AS r
+                 WHERE r.task_id = j.task_id AND r.queue = j.queue
+                   AND r.retries <= j.retries), j.attempts)::int AS runs
+FROM {schema}.jobs AS j
+WHERE j.state = 'dead' AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
+ORDER BY j.updated_at DESC
 LIMIT %(limit)s;
 
 -- name: dead_count

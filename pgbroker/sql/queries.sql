@@ -102,6 +102,13 @@ WITH candidates AS MATERIALIZED (
     WHERE state = 'pending' AND queue = %(queue)s
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
+      -- a paused task name is not claimed either. The paused names are read once per
+      -- statement (an InitPlan: task_pauses has a few rows, usually none) and tested as a
+      -- filter, so the claim stays an ordered walk of jobs_claim_idx. coalesce(): NULL (plain
+      -- kombu) is never paused, and an expression has no statistics -- on task's own, a queue
+      -- of one task name made "task <> (a name)" look like it matches nothing, and the claim
+      -- was planned as a bitmap scan and a sort of the whole backlog (as was a NOT EXISTS)
+      AND coalesce(task, '') <> ALL (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp))
       -- an expired message is never delivered (the sweeper marks it 'expired'), and must not
       -- use up the LIMIT either
       AND (expires_at IS NULL OR expires_at > now())
@@ -134,12 +141,18 @@ WITH candidates AS MATERIALIZED (
            OR (j.state = 'running'
                AND j.attempts = (%(attempts)s::int[])[array_position(%(ids)s::uuid[], j.id)]))
     RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing_key, j.body,
-              j.content_type, j.content_encoding, j.headers, j.properties, j.state
+              j.content_type, j.content_encoding, j.headers, j.properties, j.state, j.task,
+              j.last_error
+), streak_ended AS (
+    -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
+    DELETE FROM {schema}.task_losses
+    WHERE task IN (SELECT task FROM updated WHERE state = 'completed')
 )
+-- the claimed rows, and the acked ones that ended dead (for pgbroker.signals.job_dead)
 SELECT id, queue, attempts, priority, run_at, exchange, routing_key, body,
-       content_type, content_encoding, headers, properties
+       content_type, content_encoding, headers, properties, state, task, last_error
 FROM updated
-WHERE state = 'running';  -- the claimed rows, not the acked ones
+WHERE state IN ('running', 'dead');
 
 -- name: job_ack
 -- Completion of deliveries, each identified by (id, attempt): a late ack of an older delivery of
@@ -168,10 +181,16 @@ WITH due AS MATERIALIZED (
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
     FROM taken WHERE j.id = taken.id
-    RETURNING j.id
+    RETURNING j.id, j.state, j.task, j.last_error
+), streak_ended AS (
+    -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
+    DELETE FROM {schema}.task_losses
+    WHERE task IN (SELECT task FROM acked WHERE state = 'completed')
 )
--- every delivery found to ack, and whether it was (false: its row is locked, try again)
-SELECT id, attempts, id IN (SELECT id FROM acked) FROM due;
+-- every delivery found to ack, and whether it was (false: its row is locked, try again); its
+-- state now, task and error (one that ended dead: pgbroker.signals.job_dead)
+SELECT d.id, d.attempts, a.id IS NOT NULL, a.state, a.task, a.last_error
+FROM due AS d LEFT JOIN acked AS a ON a.id = d.id;
 
 -- name: job_ack_delete
 -- Retention 0: an acked delivery is deleted at once -- unless its task failed (kept, 'dead') or
@@ -190,26 +209,43 @@ WITH due AS MATERIALIZED (
 ), deleted AS (
     DELETE FROM {schema}.jobs AS j USING taken
     WHERE j.id = taken.id AND taken.done
-    RETURNING j.id
+    RETURNING j.id, 'completed'::text AS state, j.task, j.last_error
 ), kept AS (
     UPDATE {schema}.jobs AS j
     SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
         updated_at = now()
     FROM taken WHERE j.id = taken.id AND NOT taken.done
-    RETURNING j.id
+    RETURNING j.id, j.state, j.task, j.last_error
+), streak_ended AS (
+    -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
+    DELETE FROM {schema}.task_losses WHERE task IN (SELECT task FROM deleted)
 )
-SELECT id, attempts, id IN (SELECT id FROM deleted UNION ALL SELECT id FROM kept) FROM due;
+SELECT d.id, d.attempts, a.id IS NOT NULL, a.state, a.task, a.last_error
+FROM due AS d
+LEFT JOIN (SELECT * FROM deleted UNION ALL SELECT * FROM kept) AS a ON a.id = d.id;
 
 -- name: job_fail
 -- The task of this delivery raised (recorded from the worker process that ran it, before the
--- ack): its error and traceback, and which attempt failed.
-UPDATE {schema}.jobs
-SET last_error = %(error)s, last_traceback = %(traceback)s, failed_attempt = attempts,
-    -- acked on receipt (acks_late off), the row is already 'completed': it failed after all
-    state = CASE WHEN state = 'completed' THEN 'dead' ELSE state END,
-    updated_at = now()
--- (and a delivery Celery already rejected: the reason replaces the generic one)
-WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed', 'dead');
+-- ack): its error and traceback, and which attempt failed. Not a delivery its task completed
+-- itself in its own transaction (job_complete): what it committed stands.
+WITH found AS MATERIALIZED (
+    -- (waits for a lock on the row: the ack must not pass it)
+    SELECT id, state FROM {schema}.jobs
+    -- (and a delivery Celery already rejected: the reason replaces the generic one)
+    WHERE id = %(id)s AND attempts = %(attempt)s AND state IN ('running', 'completed', 'dead')
+      AND completed_attempt IS DISTINCT FROM attempts
+    FOR UPDATE
+), failed AS (
+    UPDATE {schema}.jobs AS j
+    SET last_error = %(error)s, last_traceback = %(traceback)s, failed_attempt = j.attempts,
+        -- acked on receipt (acks_late off), the row is already 'completed': it failed after all
+        state = CASE WHEN j.state = 'completed' THEN 'dead' ELSE j.state END,
+        updated_at = now()
+    FROM found WHERE j.id = found.id
+    RETURNING j.task, j.last_error, j.attempts, found.state = 'completed' AS died
+)
+-- died: it ended dead here (pgbroker.signals.job_dead)
+SELECT task, last_error, attempts, died FROM failed;
 
 -- name: job_requeue
 -- A delivery given back (reject with requeue, shutdown with prefetched messages, recover): the
@@ -236,12 +272,13 @@ WITH due AS MATERIALIZED (
                           ELSE coalesce(%(error)s::text, jobs.last_error) END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
     FROM taken WHERE jobs.id = taken.id
-    RETURNING jobs.id, jobs.queue, jobs.state
+    RETURNING jobs.id, jobs.queue, jobs.state, jobs.task, jobs.last_error
 ), woken AS (
     SELECT pg_notify(%(channel)s, '0 ' || queue)
     FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q
 )
-SELECT id, attempts, id IN (SELECT id FROM requeued) FROM due
+SELECT d.id, d.attempts, r.id IS NOT NULL, r.state, r.task, r.last_error
+FROM due AS d LEFT JOIN requeued AS r ON r.id = d.id
 WHERE (SELECT count(*) FROM woken) >= 0;  -- (evaluates the NOTIFYs)
 
 -- name: job_bury
@@ -263,9 +300,10 @@ WITH due AS MATERIALIZED (
                           ELSE %(error)s END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
     FROM taken WHERE j.id = taken.id
-    RETURNING j.id
+    RETURNING j.id, j.state, j.task, j.last_error
 )
-SELECT id, attempts, id IN (SELECT id FROM buried) FROM due;
+SELECT d.id, d.attempts, b.id IS NOT NULL, b.state, b.task, b.last_error
+FROM due AS d LEFT JOIN buried AS b ON b.id = d.id;
 
 -- name: job_promote
 -- Scheduled jobs that are due become claimable. Several consumers may run this at once: SKIP
@@ -367,7 +405,7 @@ WITH gone AS MATERIALIZED (
     -- conditional on the very delivery that was found orphaned
     WHERE j.id = o.id AND j.state = 'running' AND j.attempts = o.attempts
       AND j.locked_by IS NOT DISTINCT FROM o.locked_by
-    RETURNING j.queue, j.state
+    RETURNING j.id, j.queue, j.state, j.task, j.attempts, j.last_error
 ), forgotten AS (
     DELETE FROM {schema}.consumers WHERE id IN (SELECT id FROM gone)
     RETURNING id
@@ -378,7 +416,14 @@ WITH gone AS MATERIALIZED (
 SELECT (SELECT count(*) FROM rescued WHERE state = 'pending'),
        (SELECT count(*) FROM rescued WHERE state = 'dead'),
        (SELECT count(*) FROM forgotten),
-       (SELECT count(*) FROM woken);
+       (SELECT count(*) FROM woken),
+       -- the deliveries that lost their worker (tasks.sql: task_loss_record), and those of
+       -- them that ended dead (pgbroker.signals.job_dead)
+       ARRAY(SELECT id FROM rescued WHERE state <> 'cancelled' ORDER BY id),
+       ARRAY(SELECT attempts FROM rescued WHERE state <> 'cancelled' ORDER BY id),
+       (SELECT coalesce(jsonb_agg(jsonb_build_object('id', id, 'task', task, 'attempts', attempts,
+                                                     'reason', last_error)), '[]'::jsonb)
+        FROM rescued WHERE state = 'dead');
 
 -- name: job_prune
 -- Finished rows past the retention window, oldest first, one small batch per statement so that

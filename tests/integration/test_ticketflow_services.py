@@ -49,7 +49,7 @@ def test_the_migrations_create_exactly_the_tables_and_columns_the_models_map(
               for t in Base.metadata.tables.values()}
     assert found == mapped
     assert rows(pg, "SELECT version, name FROM ticketflow.migrations") == [
-        {"version": 1, "name": "initial"}]
+        {"version": 1, "name": "initial"}, {"version": 2, "name": "owner_notices"}]
     assert db.migrate(tf_url) == []  # a second run applies nothing
 
 
@@ -346,7 +346,7 @@ def ticketflow_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_migrate_applies_both_schemas_once(db_url: str, pg: psycopg.Connection) -> None:
     done = ticketflow_cli("migrate", "--database-url", db_url)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["pgbroker: up to date", "ticketflow: applied [1]"]
+    assert done.stdout.splitlines() == ["pgbroker: up to date", "ticketflow: applied [1, 2]"]
     assert count(pg, "events") == 0  # the tables exist
     again = ticketflow_cli("migrate", "--database-url", db_url)
     assert again.stdout.splitlines()[-1] == "ticketflow: up to date"

@@ -20,13 +20,13 @@ from ticketflow import services, tasks
 __all__ = ["FAST_PDF", "start_worker", "held", "confirmed", "jobs_of", "rows", "seats_taken"]
 
 
-#: Fast PDF renders, unless a test wants a slow one.
-FAST_PDF = {tasks.ENV_PDF_SECONDS: "0.05"}
+#: Fast PDF renders, unless a test wants a slow one; short waits between a charge's retries.
+FAST_PDF = {tasks.ENV_PDF_SECONDS: "0.05", tasks.ENV_CHARGE_BACKOFF: "0.5,1,2,4"}
 
 
 def start_worker(broker_url: str, env: dict[str, str] | None = None) -> WorkerProcess:
-    """``celery -A ticketflow worker -Q default,email`` (as the README runs it), ready."""
-    return run_worker("ticketflow", broker_url, "-Q", "default,email",
+    """One ``celery -A ticketflow worker`` for every pool's queues, ready."""
+    return run_worker("ticketflow", broker_url, "-Q", "default,email,system,heavy",
                       env={**FAST_PDF, **(env or {})}).wait_ready(60)
 
 

@@ -59,6 +59,10 @@ def test_the_production_settings() -> None:
     router = ticketflow.app.amqp.router
     assert router.route({}, "ticketflow.tasks.send_confirmation_email")["queue"].name == "email"
     assert router.route({}, "ticketflow.tasks.charge_payment")["queue"].name == "default"
+    # the pools (seed 001): short system work, heavy work, waiting work
+    assert router.route({}, "ticketflow.tasks.expire_reservations")["queue"].name == "system"
+    assert router.route({}, "ticketflow.tasks.render_ticket_pdf")["queue"].name == "heavy"
+    assert "ticketflow.alerts" in conf.include  # pgbroker's signals connected in every worker
     [entry] = conf.beat_schedule.values()
     assert entry["task"] == "ticketflow.tasks.expire_reservations"
     assert entry["task"] in ticketflow.app.tasks  # the name beat sends is a registered task
