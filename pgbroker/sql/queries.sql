@@ -7,25 +7,56 @@
 -- name: job_insert
 -- One message. The NOTIFY goes out in the same transaction, so it is delivered only on commit,
 -- and only when a row was really inserted. Its payload is a wake-up, never the message:
--- "<seconds until due> <queue>". A duplicate -- the same (task, idempotency_key), or the same
--- message (task_id, queue, message_digest: a producer's own retry of one publish) -- inserts
--- nothing, wakes nobody and returns no row; the caller then runs job_enqueued_ids, which counts
--- it and names the job it duplicates.
-WITH inserted AS (
+-- "<seconds until due> <queue>". A duplicate -- the same (task, idempotency_key), the same
+-- (task, dedupe_key) while a copy holds its slot (jobs_dedupe_idx), or the same message
+-- (task_id, queue, message_digest: a producer's own retry of one publish) -- inserts nothing,
+-- wakes nobody and returns no row; the caller then runs job_enqueued_ids, which counts it and
+-- names the job it duplicates.
+WITH keys AS MATERIALIZED (
+    -- the job keys of the headers (checked at publish: pgbroker._jobkeys)
+    SELECT %(headers)s::jsonb ->> 'dedupe_key' AS dedupe_key,
+           coalesce((%(headers)s::jsonb ->> 'dedupe_active')::boolean, false) AS dedupe_active,
+           %(headers)s::jsonb ->> 'concurrency_key' AS concurrency_key,
+           (%(headers)s::jsonb ->> 'concurrency_limit')::int AS concurrency_limit
+), released AS (
+    -- A Celery retry (retries > 0, the same task id) continues its job: it takes the dedupe
+    -- slot over from its own copy, which with dedupe_active still holds it while it runs.
+    UPDATE {schema}.jobs AS j SET dedupe_key = NULL
+    FROM keys AS k
+    WHERE %(retries)s::int > 0 AND k.dedupe_key IS NOT NULL AND k.dedupe_active
+      AND j.task = %(task)s AND j.dedupe_key = k.dedupe_key AND j.task_id = %(task_id)s
+      AND j.dedupe_active AND j.state IN ('pending', 'scheduled', 'running')
+    RETURNING j.id
+), inserted AS (
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
-                               message_digest)
-    VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
-            %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
-            CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
-            %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
-            -- the queue's x-message-ttl, if declared, bounds the message's own expiry
-            least(%(expires_at)s::timestamptz,
-                  (SELECT now() + make_interval(secs => (q.arguments->>'x-message-ttl')::float8
-                                                       / 1000)
-                   FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
-            %(idempotency_key)s, %(message_digest)s)
+                               message_digest, dedupe_key, dedupe_active, concurrency_key,
+                               concurrency_limit)
+    SELECT %(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+           %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
+           CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
+           %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
+           -- the queue's x-message-ttl, if declared, bounds the message's own expiry
+           least(%(expires_at)s::timestamptz,
+                 (SELECT now() + make_interval(secs => (q.arguments->>'x-message-ttl')::float8
+                                                      / 1000)
+                  FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
+           %(idempotency_key)s, %(message_digest)s,
+           -- A retry is never dropped as a duplicate: when another copy holds the slot (one
+           -- queued while this job ran), it is queued without the slot.
+           CASE WHEN k.dedupe_key IS NULL OR %(retries)s::int = 0 THEN k.dedupe_key
+                WHEN EXISTS (SELECT 1 FROM {schema}.jobs AS h
+                             WHERE h.task = %(task)s AND h.dedupe_key = k.dedupe_key
+                               AND h.task_id IS DISTINCT FROM %(task_id)s
+                               AND ((h.state IN ('pending', 'scheduled') AND h.attempts = 0)
+                                    OR (h.dedupe_active
+                                        AND h.state IN ('pending', 'scheduled', 'running'))))
+                THEN NULL ELSE k.dedupe_key END,
+           k.dedupe_key IS NOT NULL AND k.dedupe_active, k.concurrency_key,
+           CASE WHEN k.concurrency_key IS NOT NULL THEN coalesce(k.concurrency_limit, 1) END
+    FROM keys AS k
+    WHERE (SELECT count(*) FROM released) >= 0  -- (the release first: its slot is free then)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at
 )
@@ -64,10 +95,12 @@ WITH m AS (
               content_encoding, headers, properties, priority, max_attempts, run_at,
               expires_at, idempotency_key, message_digest)
 ), inserted AS (
+    -- (the job keys as in job_insert; a batch holds new messages, not Celery retries)
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
-                               message_digest)
+                               message_digest, dedupe_key, dedupe_active, concurrency_key,
+                               concurrency_limit)
     SELECT id, queue, task, task_id, retries, exchange, routing_key, body,
            content_type, content_encoding, headers, properties,
            CASE WHEN run_at > now() THEN 'scheduled' ELSE 'pending' END,
@@ -76,7 +109,12 @@ WITH m AS (
            least(expires_at, (SELECT now() + make_interval(
                                   secs => (q.arguments->>'x-message-ttl')::float8 / 1000)
                               FROM {schema}.queues AS q WHERE q.name = m.queue)),
-           idempotency_key, message_digest
+           idempotency_key, message_digest, headers ->> 'dedupe_key',
+           headers ->> 'dedupe_key' IS NOT NULL
+               AND coalesce((headers ->> 'dedupe_active')::boolean, false),
+           headers ->> 'concurrency_key',
+           CASE WHEN headers ->> 'concurrency_key' IS NOT NULL
+                THEN coalesce((headers ->> 'concurrency_limit')::int, 1) END
     FROM m
     ON CONFLICT DO NOTHING
     RETURNING id, queue, run_at
@@ -92,12 +130,14 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- name: job_claim
 -- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
 -- in one statement: one round trip and one commit per event-loop turn instead of two.
+-- A job with a concurrency key is claimed only into a free slot of its key (concurrency_keys);
+-- the others flow past it (0008_job_keys.sql).
 WITH candidates AS MATERIALIZED (
     -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
     -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
     -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
     -- WHERE and the ORDER BY, so the cost is the batch, not the table.
-    SELECT id
+    SELECT id, concurrency_key, concurrency_limit, priority, run_at
     FROM {schema}.jobs
     WHERE state = 'pending' AND queue = %(queue)s
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
@@ -105,8 +145,75 @@ WITH candidates AS MATERIALIZED (
       -- an expired message is never delivered (the sweeper marks it 'expired'), and must not
       -- use up the LIMIT either
       AND (expires_at IS NULL OR expires_at > now())
+      -- a keyed job whose key has no free slot waits, passed over, without using up the LIMIT
+      -- (a primary-key probe, for keyed rows only)
+      AND (concurrency_key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM {schema}.concurrency_keys AS k
+                          WHERE k.key = jobs.concurrency_key
+                            AND k.running >= jobs.concurrency_limit))
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), gated AS MATERIALIZED (
+    -- the candidates a key may hold back (usually none: what follows then works on nothing)
+    SELECT id, concurrency_key, concurrency_limit, priority, run_at
+    FROM candidates WHERE concurrency_key IS NOT NULL
+), wanted AS (
+    -- the slots asked for, per key: its candidates, at most its limit (the smallest its copies
+    -- were sent with)
+    SELECT concurrency_key AS key, min(concurrency_limit) AS lim,
+           least(count(*), min(concurrency_limit)) AS want
+    FROM gated GROUP BY concurrency_key
+), locked_keys AS MATERIALIZED (
+    -- FOR UPDATE under READ COMMITTED reads the newest version of a key's row, even one that
+    -- another claim committed after this statement began: 'running' is exact, so two consumers
+    -- never both take a key's last slot. SKIP LOCKED: a key another claim (or an ack) holds
+    -- right now is left for this turn. In key order, so concurrent claims lock alike.
+    SELECT k.key, k.running FROM {schema}.concurrency_keys AS k
+    WHERE k.key IN (SELECT key FROM wanted)
+    ORDER BY k.key
+    FOR UPDATE SKIP LOCKED
+), created AS (
+    -- a key never claimed before gets its row, with the slots taken (another claim creating it
+    -- at this moment: ON CONFLICT waits for it, then this turn takes none of that key)
+    INSERT INTO {schema}.concurrency_keys AS k (key, running)
+    SELECT w.key, w.want FROM wanted AS w
+    WHERE NOT EXISTS (SELECT 1 FROM {schema}.concurrency_keys AS e WHERE e.key = w.key)
+    ORDER BY w.key
+    ON CONFLICT (key) DO NOTHING
+    RETURNING k.key, k.running AS granted
+), grown AS (
+    UPDATE {schema}.concurrency_keys AS k
+    SET running = k.running + least(w.want, w.lim - l.running), updated_at = now()
+    FROM locked_keys AS l JOIN wanted AS w ON w.key = l.key
+    WHERE k.key = l.key AND l.running < w.lim
+    RETURNING k.key, least(w.want, w.lim - l.running) AS granted
+), chosen AS MATERIALIZED (
+    -- the candidates claimed: every unkeyed one, and of each key as many as it was granted,
+    -- in claim order
+    SELECT id FROM candidates WHERE concurrency_key IS NULL
+    UNION ALL
+    SELECT g.id
+    FROM (SELECT id, concurrency_key,
+                 row_number() OVER (PARTITION BY concurrency_key
+                                    ORDER BY priority DESC, run_at, id) AS n
+          FROM gated) AS g
+    JOIN (SELECT key, granted FROM created UNION ALL SELECT key, granted FROM grown) AS s
+      ON s.key = g.concurrency_key
+    WHERE g.n <= s.granted
+), more AS MATERIALIZED (
+    -- Keyed candidates held back left room in the batch: fill it with unkeyed jobs past them.
+    -- A short batch tells the consumer the queue is empty (it then waits for a NOTIFY), so
+    -- without this the jobs behind waiting keyed ones would wait too. (LIMIT 0, no scan, when
+    -- no candidate was keyed.)
+    SELECT id FROM {schema}.jobs
+    WHERE state = 'pending' AND queue = %(queue)s AND concurrency_key IS NULL
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
+      AND (expires_at IS NULL OR expires_at > now())
+      AND id NOT IN (SELECT id FROM candidates)
+    ORDER BY priority DESC, run_at, id
+    LIMIT (SELECT CASE WHEN EXISTS (SELECT 1 FROM gated) THEN %(limit)s - count(*) ELSE 0 END
+           FROM chosen)
     FOR UPDATE SKIP LOCKED
 ), updated AS (
     -- The claimed candidates and the acked deliveries in one UPDATE: PostgreSQL prepares a
@@ -127,7 +234,7 @@ WITH candidates AS MATERIALIZED (
         locked_at = CASE WHEN j.state = 'pending' THEN now() ELSE j.locked_at END,
         locked_by = CASE WHEN j.state = 'pending' THEN %(consumer)s ELSE j.locked_by END,
         updated_at = now()
-    FROM (SELECT ARRAY(SELECT id FROM candidates) AS ids) AS c
+    FROM (SELECT ARRAY(SELECT id FROM chosen UNION ALL SELECT id FROM more) AS ids) AS c
     WHERE j.id = ANY(c.ids || %(ids)s::uuid[])
       AND (j.id = ANY(c.ids)
            -- an ack: the same rule as job_ack (only that delivery, only while it runs)
