@@ -130,14 +130,15 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- name: job_claim
 -- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
 -- in one statement: one round trip and one commit per event-loop turn instead of two.
--- A job with a concurrency key is claimed only into a free slot of its key (concurrency_keys);
--- the others flow past it (0008_job_keys.sql).
+-- A job with a concurrency key is claimed only into a free slot of its key (concurrency_keys),
+-- a job of a rate-limited task only within its task's free starts (rate_limits; the others are
+-- deferred, 'scheduled' until a start frees); the rest flow past them (0008_job_keys.sql).
 WITH candidates AS MATERIALIZED (
     -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
     -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
     -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
     -- WHERE and the ORDER BY, so the cost is the batch, not the table.
-    SELECT id, concurrency_key, concurrency_limit, priority, run_at
+    SELECT id, task, concurrency_key, concurrency_limit, priority, run_at
     FROM {schema}.jobs
     WHERE state = 'pending' AND queue = %(queue)s
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
@@ -155,15 +156,41 @@ WITH candidates AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), gated AS MATERIALIZED (
-    -- the candidates a key may hold back (usually none: what follows then works on nothing)
-    SELECT id, concurrency_key, concurrency_limit, priority, run_at
-    FROM candidates WHERE concurrency_key IS NOT NULL
+    -- the candidates a key or a rate limit may hold back (usually none: what follows then
+    -- works on nothing), numbered per task in claim order
+    SELECT c.id, c.task, c.concurrency_key, c.concurrency_limit, c.priority, c.run_at,
+           r.task IS NOT NULL AS limited,
+           row_number() OVER (PARTITION BY c.task ORDER BY c.priority DESC, c.run_at, c.id)
+               AS task_n
+    FROM candidates AS c LEFT JOIN {schema}.rate_limits AS r ON r.task = c.task
+    WHERE c.concurrency_key IS NOT NULL OR r.task IS NOT NULL
+), buckets AS MATERIALIZED (
+    -- The rate-limited tasks' claim times within their period, from the newest version of
+    -- their row (FOR UPDATE, as for concurrency keys): exact whatever this statement's
+    -- snapshot. SKIP LOCKED: a task another claim holds right now waits for this turn.
+    SELECT r.task, r.max_starts, make_interval(secs => r.period_s) AS period,
+           ARRAY(SELECT t FROM unnest(r.starts) AS t
+                 WHERE t > now() - make_interval(secs => r.period_s) ORDER BY t) AS recent
+    FROM {schema}.rate_limits AS r
+    WHERE r.task IN (SELECT task FROM gated WHERE limited)
+    FOR UPDATE SKIP LOCKED
+), rated AS MATERIALIZED (
+    -- 'go': within its task's free starts (or not rate-limited); 'defer': beyond them, the
+    -- n-th one late until the n-th start in the window is a period old; 'wait': its task's row
+    -- is another claim's now
+    SELECT g.id, g.task, g.concurrency_key, g.concurrency_limit, g.priority, g.run_at,
+           CASE WHEN NOT g.limited THEN 'go'
+                WHEN b.task IS NULL THEN 'wait'
+                WHEN g.task_n <= b.max_starts - cardinality(b.recent) THEN 'go'
+                ELSE 'defer' END AS verdict,
+           g.task_n - (b.max_starts - cardinality(b.recent)) AS late
+    FROM gated AS g LEFT JOIN buckets AS b ON b.task = g.task
 ), wanted AS (
     -- the slots asked for, per key: its candidates, at most its limit (the smallest its copies
     -- were sent with)
     SELECT concurrency_key AS key, min(concurrency_limit) AS lim,
            least(count(*), min(concurrency_limit)) AS want
-    FROM gated GROUP BY concurrency_key
+    FROM rated WHERE verdict = 'go' AND concurrency_key IS NOT NULL GROUP BY concurrency_key
 ), locked_keys AS MATERIALIZED (
     -- FOR UPDATE under READ COMMITTED reads the newest version of a key's row, even one that
     -- another claim committed after this statement began: 'running' is exact, so two consumers
@@ -189,20 +216,38 @@ WITH candidates AS MATERIALIZED (
     WHERE k.key = l.key AND l.running < w.lim
     RETURNING k.key, least(w.want, w.lim - l.running) AS granted
 ), chosen AS MATERIALIZED (
-    -- the candidates claimed: every unkeyed one, and of each key as many as it was granted,
-    -- in claim order
-    SELECT id FROM candidates WHERE concurrency_key IS NULL
+    -- the candidates claimed: every free one, every unkeyed 'go', and of each key as many as
+    -- it was granted, in claim order
+    SELECT id, NULL::text AS task FROM candidates WHERE id NOT IN (SELECT id FROM gated)
     UNION ALL
-    SELECT g.id
-    FROM (SELECT id, concurrency_key,
+    SELECT g.id, g.task
+    FROM (SELECT id, task, concurrency_key,
                  row_number() OVER (PARTITION BY concurrency_key
                                     ORDER BY priority DESC, run_at, id) AS n
-          FROM gated) AS g
-    JOIN (SELECT key, granted FROM created UNION ALL SELECT key, granted FROM grown) AS s
+          FROM rated WHERE verdict = 'go') AS g
+    LEFT JOIN (SELECT key, granted FROM created UNION ALL SELECT key, granted FROM grown) AS s
       ON s.key = g.concurrency_key
-    WHERE g.n <= s.granted
+    WHERE g.concurrency_key IS NULL OR g.n <= s.granted
+), started AS (
+    -- the claim times of the rate-limited tasks' claimed jobs, added to their window
+    UPDATE {schema}.rate_limits AS r
+    SET starts = b.recent || array_fill(now(), ARRAY[n.claimed]), updated_at = now()
+    FROM buckets AS b
+    JOIN (SELECT task, count(*)::int AS claimed FROM chosen WHERE task IS NOT NULL
+          GROUP BY task) AS n ON n.task = b.task
+    WHERE r.task = b.task
+    RETURNING r.task, r.starts, b.period
+), deferred AS MATERIALIZED (
+    -- when each deferred job may start: the 'late'-th start of the window (as it is now) is
+    -- a period old then (the last one's for those later still: they are deferred again then)
+    SELECT d.id,
+           coalesce(w.starts[least(d.late, cardinality(w.starts))], now()) + w.period AS at
+    FROM rated AS d
+    JOIN (SELECT b.task, coalesce(s.starts, b.recent) AS starts, b.period
+          FROM buckets AS b LEFT JOIN started AS s ON s.task = b.task) AS w ON w.task = d.task
+    WHERE d.verdict = 'defer'
 ), more AS MATERIALIZED (
-    -- Keyed candidates held back left room in the batch: fill it with unkeyed jobs past them.
+    -- Candidates held back left room in the batch: fill it with free jobs past them.
     -- A short batch tells the consumer the queue is empty (it then waits for a NOTIFY), so
     -- without this the jobs behind waiting keyed ones would wait too. (LIMIT 0, no scan, when
     -- no candidate was keyed.)
@@ -211,6 +256,7 @@ WITH candidates AS MATERIALIZED (
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
       AND (expires_at IS NULL OR expires_at > now())
       AND id NOT IN (SELECT id FROM candidates)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.rate_limits AS r WHERE r.task = jobs.task)
     ORDER BY priority DESC, run_at, id
     LIMIT (SELECT CASE WHEN EXISTS (SELECT 1 FROM gated) THEN %(limit)s - count(*) ELSE 0 END
            FROM chosen)
@@ -224,29 +270,41 @@ WITH candidates AS MATERIALIZED (
     UPDATE {schema}.jobs AS j
     -- A row updated here is 'pending' only if it is a candidate (locked above, so unchanged);
     -- an acked one is 'running' (and ends as job_ack says).
-    SET state = CASE WHEN j.state = 'pending' THEN 'running'
+    -- (A deferred candidate goes back to 'scheduled', due when its task may start again.)
+    SET state = CASE WHEN j.id = ANY(c.deferred) THEN 'scheduled'
+                     WHEN j.state = 'pending' THEN 'running'
                      WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         -- an attempt is spent at claim: a job that kills its worker has used it up, so a
         -- poison job cannot loop
-        attempts = CASE WHEN j.state = 'pending' THEN j.attempts + 1 ELSE j.attempts END,
+        attempts = CASE WHEN j.id = ANY(c.ids) THEN j.attempts + 1 ELSE j.attempts END,
         -- the claim's time stays at the ack: the admin page's run times (claim -> ack)
-        locked_at = CASE WHEN j.state = 'pending' THEN now() ELSE j.locked_at END,
-        locked_by = CASE WHEN j.state = 'pending' THEN %(consumer)s ELSE j.locked_by END,
+        locked_at = CASE WHEN j.id = ANY(c.ids) THEN now() ELSE j.locked_at END,
+        locked_by = CASE WHEN j.id = ANY(c.ids) THEN %(consumer)s ELSE j.locked_by END,
+        run_at = CASE WHEN j.id = ANY(c.deferred)
+                      THEN c.defer_at[array_position(c.deferred, j.id)] ELSE j.run_at END,
         updated_at = now()
-    FROM (SELECT ARRAY(SELECT id FROM chosen UNION ALL SELECT id FROM more) AS ids) AS c
-    WHERE j.id = ANY(c.ids || %(ids)s::uuid[])
-      AND (j.id = ANY(c.ids)
+    FROM (SELECT ARRAY(SELECT id FROM chosen UNION ALL SELECT id FROM more) AS ids,
+                 ARRAY(SELECT id FROM deferred) AS deferred,
+                 ARRAY(SELECT at FROM deferred) AS defer_at) AS c
+    WHERE j.id = ANY(c.ids || c.deferred || %(ids)s::uuid[])
+      AND (j.id = ANY(c.ids) OR j.id = ANY(c.deferred)
            -- an ack: the same rule as job_ack (only that delivery, only while it runs)
            OR (j.state = 'running'
                AND j.attempts = (%(attempts)s::int[])[array_position(%(ids)s::uuid[], j.id)]))
     RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing_key, j.body,
               j.content_type, j.content_encoding, j.headers, j.properties, j.state
+), woken AS (
+    -- the consumers of a queue whose jobs were deferred set a timer for the first due
+    SELECT pg_notify({schema}.jobs_channel(),
+                     greatest(extract(epoch FROM min(run_at) - now()), 0)::text || ' ' || queue)
+    FROM updated WHERE state = 'scheduled' GROUP BY queue
 )
 SELECT id, queue, attempts, priority, run_at, exchange, routing_key, body,
        content_type, content_encoding, headers, properties
 FROM updated
-WHERE state = 'running';  -- the claimed rows, not the acked ones
+WHERE state = 'running'  -- the claimed rows, not the acked ones (nor the deferred)
+  AND (SELECT count(*) FROM woken) >= 0;  -- (evaluates the NOTIFYs)
 
 -- name: job_ack
 -- Completion of deliveries, each identified by (id, attempt): a late ack of an older delivery of

@@ -192,3 +192,39 @@ def test_a_requeued_delivery_frees_its_key(producer: Celery, runs: psycopg.Conne
     assert [r["arg"] for r in key_runs(runs, "ended IS NOT NULL")] == [
         "source:42/dies", "source:42/after"]
     assert set(r[0] for r in runs.execute("SELECT running FROM pgbroker.concurrency_keys")) == {0}
+
+
+# -- 3. cluster-wide rate limits ---------------------------------------------------------------
+
+def test_a_rate_limit_holds_across_three_workers(producer: Celery, runs: psycopg.Connection,
+                                                 broker_url: str) -> None:
+    """keys.plain at 5/s: three workers of two processes claim 40 of them together, at most 5
+    in any second (claim times, database clock); the jobs beyond wait in the database; another
+    task flows at full speed meanwhile."""
+    options = {"rate_limits": {"keys.plain": "5/s"}}
+    for _ in range(3):
+        start_worker(broker_url, "-c", "2", options=options, app=APP)
+    for n in range(40):
+        keys_app.plain.apply_async((f"limited/{n}",))
+    for n in range(40):
+        keys_app.sync.apply_async((f"free/{n}", 0.0))
+    wait_for(lambda: len(key_runs(runs, "ended IS NOT NULL")) == 80, 60, interval=0.2,
+             message=lambda: f"80 runs ({len(key_runs(runs, 'ended IS NOT NULL'))} done)")
+    busiest = runs.execute("""
+        SELECT max((SELECT count(*) FROM pgbroker.jobs AS b
+                    WHERE b.task = 'keys.plain' AND b.locked_at >= a.locked_at
+                      AND b.locked_at < a.locked_at + interval '1 second'))
+        FROM pgbroker.jobs AS a WHERE a.task = 'keys.plain'""").fetchone()[0]
+    assert busiest <= 5
+    first, last = runs.execute("SELECT min(started), max(started) FROM public.key_runs"
+                               " WHERE arg LIKE 'limited/%'").fetchone()
+    spread = (last - first).total_seconds()
+    assert spread >= 40 / 5 - 1 - 0.5  # 40 starts at 5/s (the first 5 at once)
+    free_last = runs.execute("SELECT max(ended) FROM public.key_runs WHERE arg LIKE 'free/%'"
+                             ).fetchone()[0]
+    assert free_last < last  # the unlimited task did not wait behind the limited one
+    per_worker = runs.execute("SELECT count(DISTINCT pid) FROM public.key_runs"
+                              " WHERE arg LIKE 'limited/%'").fetchone()[0]
+    assert runs.execute("SELECT max(attempts) FROM pgbroker.jobs").fetchone() == (1,)
+    print(f"\n[figure] 40 jobs at 5/s over 3 workers ({per_worker} pool processes): starts "
+          f"spread over {spread:.1f} s, busiest 1 s window of claims: {busiest}")

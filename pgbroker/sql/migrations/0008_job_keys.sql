@@ -1,4 +1,4 @@
--- 0008 job keys: dedupe while queued, concurrency keys (issue 22).
+-- 0008 job keys: dedupe while queued, concurrency keys, cluster-wide rate limits (issue 22).
 --
 -- 1. jobs.dedupe_key / dedupe_active: at most one copy of a (task, dedupe key) holds the key's
 --    slot -- one not started yet (pending or scheduled, attempts = 0), or, with dedupe_active,
@@ -14,6 +14,9 @@
 --    never both see the last free slot); jobs_concurrency_release gives it back whenever a keyed
 --    job leaves 'running' by any path (ack, requeue, rescue, bury, revoke, delete), so no
 --    statement can forget to.
+-- 3. rate_limits: per task name, at most max_starts claims in any period_s seconds, across every
+--    consumer; starts holds the claim times of the current window (a sliding log: exact, and
+--    at most max_starts entries). Written by consumers from the rate_limits transport option.
 --
 -- The four job columns are filled by the insert statements from the message's headers, which
 -- pgbroker._jobkeys checked at publish.
@@ -76,3 +79,20 @@ CREATE TRIGGER jobs_concurrency_release_deleted
     FOR EACH ROW
     WHEN (OLD.state = 'running' AND OLD.concurrency_key IS NOT NULL)
     EXECUTE FUNCTION {schema}.jobs_concurrency_release();
+
+CREATE TABLE IF NOT EXISTS {schema}.rate_limits (
+    task        text             PRIMARY KEY,
+    max_starts  integer          NOT NULL CHECK (max_starts > 0),
+    period_s    double precision NOT NULL CHECK (period_s > 0),
+    rate        text             NOT NULL,          -- as configured: '10/s'
+    starts      timestamptz[]    NOT NULL DEFAULT '{}',
+    updated_at  timestamptz      NOT NULL DEFAULT now()
+);
+
+-- The LISTEN/NOTIFY channel of this schema (Settings.channel), for statements that have no
+-- channel parameter (the claim's deferrals).
+CREATE OR REPLACE FUNCTION {schema}.jobs_channel() RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT n.nspname || '.jobs' FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE c.oid = '{schema}.jobs'::regclass
+$$;
