@@ -133,7 +133,20 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- A job with a concurrency key is claimed only into a free slot of its key (concurrency_keys),
 -- a job of a rate-limited task only within its task's free starts (rate_limits; the others are
 -- deferred, 'scheduled' until a start frees); the rest flow past them (0008_job_keys.sql).
-WITH candidates AS MATERIALIZED (
+WITH acking AS MATERIALIZED (
+    -- The keyed deliveries this statement acks, per key: their slots are free by its end (the
+    -- release trigger), so they count as free already -- else the next job of a key would wait
+    -- for one more claim. Read only when a keyed candidate is met: nothing for unkeyed queues.
+    -- (A primary-key probe per ack, LIMIT 1 keeping it one: planned as a join, with statistics
+    -- that see an empty table, it walked a whole index; see tests/bench/test_query_plans.py.)
+    SELECT j.key, count(*) AS n
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    -- (the state tested outside, or the planner may prefer walking jobs_running_idx)
+    CROSS JOIN LATERAL (SELECT r.concurrency_key AS key, r.state, r.attempts
+                        FROM {schema}.jobs AS r WHERE r.id = d.id LIMIT 1) AS j
+    WHERE j.state = 'running' AND j.attempts = d.attempt AND j.key IS NOT NULL
+    GROUP BY j.key
+), candidates AS MATERIALIZED (
     -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
     -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
     -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
@@ -151,7 +164,9 @@ WITH candidates AS MATERIALIZED (
       AND (concurrency_key IS NULL
            OR NOT EXISTS (SELECT 1 FROM {schema}.concurrency_keys AS k
                           WHERE k.key = jobs.concurrency_key
-                            AND k.running >= jobs.concurrency_limit))
+                            AND k.running - coalesce((SELECT a.n FROM acking AS a
+                                                      WHERE a.key = k.key), 0)
+                                >= jobs.concurrency_limit))
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -196,10 +211,11 @@ WITH candidates AS MATERIALIZED (
     -- another claim committed after this statement began: 'running' is exact, so two consumers
     -- never both take a key's last slot. SKIP LOCKED: a key another claim (or an ack) holds
     -- right now is left for this turn. In key order, so concurrent claims lock alike.
-    SELECT k.key, k.running FROM {schema}.concurrency_keys AS k
+    SELECT k.key, k.running - coalesce(a.n, 0) AS running  -- (net of this claim's acks)
+    FROM {schema}.concurrency_keys AS k LEFT JOIN acking AS a ON a.key = k.key
     WHERE k.key IN (SELECT key FROM wanted)
     ORDER BY k.key
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF k SKIP LOCKED
 ), created AS (
     -- a key never claimed before gets its row, with the slots taken (another claim creating it
     -- at this moment: ON CONFLICT waits for it, then this turn takes none of that key)

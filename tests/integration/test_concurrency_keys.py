@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -133,7 +134,8 @@ def test_concurrent_claims_of_four_consumers_never_exceed_the_limit(
         consumer = uuid.uuid4()
         try:
             held: list[tuple[uuid.UUID, int]] = []
-            while True:
+            deadline = time.monotonic() + 60  # a stuck key fails the test, with the counts
+            while time.monotonic() < deadline:
                 # the finished deliveries are acked by the next claim, as a worker does; those
                 # it could not wait for (another claim held their key's row) are acked apart
                 locked: list[tuple[uuid.UUID, int]] = []
@@ -171,5 +173,5 @@ def test_concurrent_claims_of_four_consumers_never_exceed_the_limit(
     assert not errors, errors
     assert not over, over[:5]
     assert len(seen) == len(set(seen)) == len(jobs)  # each claimed exactly once
-    assert counts(pg) == {"completed": len(jobs)}
+    assert counts(pg) == {"completed": len(jobs)}, (slots(pg), running_per_key(pg))
     assert set(slots(pg).values()) == {0}
