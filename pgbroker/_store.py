@@ -548,6 +548,11 @@ class Store:
                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         return int(row[0]) if row else 0
 
+    def prune_concurrency_keys(self, limit: int = 1000, now: datetime | None = None) -> int:
+        """Delete the rows of concurrency keys idle for an hour; returns how many."""
+        return self._execute("concurrency_keys_prune", {"limit": limit, "now": now},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
+
     def expire_queues(self, limit: int = 100, now: datetime | None = None) -> int:
         return self._execute("queue_expire", {"limit": limit, "now": now},
                              lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount

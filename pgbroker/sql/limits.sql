@@ -1,4 +1,4 @@
--- Cluster-wide rate limits (pgbroker._ratelimits; the claim reads them: job_claim).
+-- The job keys' tables: rate limits (pgbroker._ratelimits) and concurrency keys (read by job_claim).
 
 -- name: rate_limits_set
 -- The configured limits, as a consumer starts: the ones not given are removed, the others
@@ -17,3 +17,18 @@ SET max_starts = EXCLUDED.max_starts, period_s = EXCLUDED.period_s, rate = EXCLU
     updated_at = now()
 WHERE (r.max_starts, r.period_s, r.rate)
       IS DISTINCT FROM (EXCLUDED.max_starts, EXCLUDED.period_s, EXCLUDED.rate);
+
+-- name: concurrency_keys_prune
+-- Keys with no job running for an hour: their rows go (keys like "source:<id>" would otherwise
+-- pile up). SKIP LOCKED, and the delete re-checks 'running' on the newest version: a key a
+-- claim takes meanwhile is kept; a claim finding its row gone takes no slot that turn and
+-- creates it again the next.
+WITH idle AS MATERIALIZED (
+    SELECT key FROM {schema}.concurrency_keys
+    WHERE running = 0
+      AND updated_at < coalesce(%(now)s::timestamptz, now()) - interval '1 hour'
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.concurrency_keys AS k USING idle
+WHERE k.key = idle.key AND k.running = 0;

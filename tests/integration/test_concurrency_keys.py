@@ -175,3 +175,15 @@ def test_concurrent_claims_of_four_consumers_never_exceed_the_limit(
     assert len(seen) == len(set(seen)) == len(jobs)  # each claimed exactly once
     assert counts(pg) == {"completed": len(jobs)}, (slots(pg), running_per_key(pg))
     assert set(slots(pg).values()) == {0}
+
+
+def test_the_sweeper_prunes_keys_idle_for_an_hour(store: Store, pg: psycopg.Connection) -> None:
+    store.insert_many([keyed("old"), keyed("busy"), keyed("recent")])
+    consumer = uuid.uuid4()
+    store.register_consumer(consumer, ["q"], None)  # alive: its running job is not rescued
+    rows = {r.headers["concurrency_key"]: r for r in store.claim("q", 10, consumer)}
+    store.ack([(rows["old"].id, 1), (rows["recent"].id, 1)])
+    pg.execute("UPDATE pgbroker.concurrency_keys SET updated_at = now() - interval '2 hours'"
+               " WHERE key IN ('old', 'busy')")
+    assert Sweeper(store).run_once().keys == 1
+    assert slots(pg) == {"busy": 1, "recent": 0}  # a running one is kept, however old
