@@ -130,18 +130,18 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- name: job_claim
 -- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
 -- in one statement: one round trip and one commit per event-loop turn instead of two.
--- A job with a concurrency key is claimed only into a free slot of its key (concurrency_keys),
--- a job of a rate-limited task only within its task's free starts (rate_limits; the others are
--- deferred, 'scheduled' until a start frees); the rest flow past them (0008_job_keys.sql).
+-- A job with a concurrency key is claimed only into a free slot of its key, a job of a
+-- rate-limited task only within its task's free starts (the others deferred, 'scheduled' until a
+-- start frees): jobs_gate decides, called only when such a candidate is met; the rest flow past
+-- them (0008_job_keys.sql).
 WITH acking AS MATERIALIZED (
     -- The keyed deliveries this statement acks, per key: their slots are free by its end (the
-    -- release trigger), so they count as free already -- else the next job of a key would wait
-    -- for one more claim. Read only when a keyed candidate is met: nothing for unkeyed queues.
-    -- (A primary-key probe per ack, LIMIT 1 keeping it one: planned as a join, with statistics
-    -- that see an empty table, it walked a whole index; see tests/bench/test_query_plans.py.)
+    -- release trigger), so the candidates' filter counts them free already. Read only when a
+    -- keyed candidate is met: nothing for unkeyed queues. (A primary-key probe per ack, LIMIT 1
+    -- keeping it one, the state tested outside: planned as a join, or with the state inside,
+    -- statistics that see an empty table walked a whole index; tests/bench/test_query_plans.py.)
     SELECT j.key, count(*) AS n
     FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-    -- (the state tested outside, or the planner may prefer walking jobs_running_idx)
     CROSS JOIN LATERAL (SELECT r.concurrency_key AS key, r.state, r.attempts
                         FROM {schema}.jobs AS r WHERE r.id = d.id LIMIT 1) AS j
     WHERE j.state = 'running' AND j.attempts = d.attempt AND j.key IS NOT NULL
@@ -151,7 +151,7 @@ WITH acking AS MATERIALIZED (
     -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
     -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
     -- WHERE and the ORDER BY, so the cost is the batch, not the table.
-    SELECT id, task, concurrency_key, concurrency_limit, priority, run_at
+    SELECT id, task, concurrency_key
     FROM {schema}.jobs
     WHERE state = 'pending' AND queue = %(queue)s
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
@@ -171,102 +171,24 @@ WITH acking AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), gated AS MATERIALIZED (
-    -- the candidates a key or a rate limit may hold back (usually none: what follows then
-    -- works on nothing), numbered per task in claim order
-    SELECT c.id, c.task, c.concurrency_key, c.concurrency_limit, c.priority, c.run_at,
-           r.task IS NOT NULL AS limited,
-           row_number() OVER (PARTITION BY c.task ORDER BY c.priority DESC, c.run_at, c.id)
-               AS task_n
-    FROM candidates AS c LEFT JOIN {schema}.rate_limits AS r ON r.task = c.task
-    WHERE c.concurrency_key IS NOT NULL OR r.task IS NOT NULL
-), buckets AS MATERIALIZED (
-    -- The rate-limited tasks' claim times within their period, from the newest version of
-    -- their row (FOR UPDATE, as for concurrency keys): exact whatever this statement's
-    -- snapshot. SKIP LOCKED: a task another claim holds right now waits for this turn.
-    SELECT r.task, r.max_starts, make_interval(secs => r.period_s) AS period,
-           ARRAY(SELECT t FROM unnest(r.starts) AS t
-                 WHERE t > now() - make_interval(secs => r.period_s) ORDER BY t) AS recent
-    FROM {schema}.rate_limits AS r
-    WHERE r.task IN (SELECT task FROM gated WHERE limited)
-    FOR UPDATE SKIP LOCKED
-), rated AS MATERIALIZED (
-    -- 'go': within its task's free starts (or not rate-limited); 'defer': beyond them, the
-    -- n-th one late until the n-th start in the window is a period old; 'wait': its task's row
-    -- is another claim's now
-    SELECT g.id, g.task, g.concurrency_key, g.concurrency_limit, g.priority, g.run_at,
-           CASE WHEN NOT g.limited THEN 'go'
-                WHEN b.task IS NULL THEN 'wait'
-                WHEN g.task_n <= b.max_starts - cardinality(b.recent) THEN 'go'
-                ELSE 'defer' END AS verdict,
-           g.task_n - (b.max_starts - cardinality(b.recent)) AS late
-    FROM gated AS g LEFT JOIN buckets AS b ON b.task = g.task
-), wanted AS (
-    -- the slots asked for, per key: its candidates, at most its limit (the smallest its copies
-    -- were sent with)
-    SELECT concurrency_key AS key, min(concurrency_limit) AS lim,
-           least(count(*), min(concurrency_limit)) AS want
-    FROM rated WHERE verdict = 'go' AND concurrency_key IS NOT NULL GROUP BY concurrency_key
-), locked_keys AS MATERIALIZED (
-    -- FOR UPDATE under READ COMMITTED reads the newest version of a key's row, even one that
-    -- another claim committed after this statement began: 'running' is exact, so two consumers
-    -- never both take a key's last slot. SKIP LOCKED: a key another claim (or an ack) holds
-    -- right now is left for this turn. In key order, so concurrent claims lock alike.
-    SELECT k.key, k.running - coalesce(a.n, 0) AS running  -- (net of this claim's acks)
-    FROM {schema}.concurrency_keys AS k LEFT JOIN acking AS a ON a.key = k.key
-    WHERE k.key IN (SELECT key FROM wanted)
-    ORDER BY k.key
-    FOR UPDATE OF k SKIP LOCKED
-), created AS (
-    -- a key never claimed before gets its row, with the slots taken (another claim creating it
-    -- at this moment: ON CONFLICT waits for it, then this turn takes none of that key)
-    INSERT INTO {schema}.concurrency_keys AS k (key, running)
-    SELECT w.key, w.want FROM wanted AS w
-    WHERE NOT EXISTS (SELECT 1 FROM {schema}.concurrency_keys AS e WHERE e.key = w.key)
-    ORDER BY w.key
-    ON CONFLICT (key) DO NOTHING
-    RETURNING k.key, k.running AS granted
-), grown AS (
-    UPDATE {schema}.concurrency_keys AS k
-    SET running = k.running + least(w.want, w.lim - l.running), updated_at = now()
-    FROM locked_keys AS l JOIN wanted AS w ON w.key = l.key
-    WHERE k.key = l.key AND l.running < w.lim
-    RETURNING k.key, least(w.want, w.lim - l.running) AS granted
+    -- the candidates a key or a rate limit may hold back (usually none)
+    SELECT ARRAY(SELECT c.id FROM candidates AS c
+                 WHERE c.concurrency_key IS NOT NULL
+                    OR c.task IN (SELECT r.task FROM {schema}.rate_limits AS r)) AS ids
+), gate AS MATERIALIZED (
+    -- which of them to claim (defer_at NULL), which to defer; the others stay pending
+    SELECT g.gate_id, g.defer_at
+    FROM gated, {schema}.jobs_gate(gated.ids, %(ids)s::uuid[], %(attempts)s::int[]) AS g
+    WHERE cardinality(gated.ids) > 0
 ), chosen AS MATERIALIZED (
-    -- the candidates claimed: every free one, every unkeyed 'go', and of each key as many as
-    -- it was granted, in claim order
-    SELECT id, NULL::text AS task FROM candidates WHERE id NOT IN (SELECT id FROM gated)
+    SELECT id FROM candidates WHERE id <> ALL ((SELECT ids FROM gated)::uuid[])
     UNION ALL
-    SELECT g.id, g.task
-    FROM (SELECT id, task, concurrency_key,
-                 row_number() OVER (PARTITION BY concurrency_key
-                                    ORDER BY priority DESC, run_at, id) AS n
-          FROM rated WHERE verdict = 'go') AS g
-    LEFT JOIN (SELECT key, granted FROM created UNION ALL SELECT key, granted FROM grown) AS s
-      ON s.key = g.concurrency_key
-    WHERE g.concurrency_key IS NULL OR g.n <= s.granted
-), started AS (
-    -- the claim times of the rate-limited tasks' claimed jobs, added to their window
-    UPDATE {schema}.rate_limits AS r
-    SET starts = b.recent || array_fill(now(), ARRAY[n.claimed]), updated_at = now()
-    FROM buckets AS b
-    JOIN (SELECT task, count(*)::int AS claimed FROM chosen WHERE task IS NOT NULL
-          GROUP BY task) AS n ON n.task = b.task
-    WHERE r.task = b.task
-    RETURNING r.task, r.starts, b.period
-), deferred AS MATERIALIZED (
-    -- when each deferred job may start: the 'late'-th start of the window (as it is now) is
-    -- a period old then (the last one's for those later still: they are deferred again then)
-    SELECT d.id,
-           coalesce(w.starts[least(d.late, cardinality(w.starts))], now()) + w.period AS at
-    FROM rated AS d
-    JOIN (SELECT b.task, coalesce(s.starts, b.recent) AS starts, b.period
-          FROM buckets AS b LEFT JOIN started AS s ON s.task = b.task) AS w ON w.task = d.task
-    WHERE d.verdict = 'defer'
+    SELECT gate_id FROM gate WHERE defer_at IS NULL
 ), more AS MATERIALIZED (
-    -- Candidates held back left room in the batch: fill it with free jobs past them.
-    -- A short batch tells the consumer the queue is empty (it then waits for a NOTIFY), so
-    -- without this the jobs behind waiting keyed ones would wait too. (LIMIT 0, no scan, when
-    -- no candidate was keyed.)
+    -- Candidates held back left room in the batch: fill it with free jobs past them. A short
+    -- batch tells the consumer the queue is empty (it then waits for a NOTIFY), so without
+    -- this the jobs behind waiting keyed ones would wait too. (LIMIT 0, no scan, when no
+    -- candidate was gated.)
     SELECT id FROM {schema}.jobs
     WHERE state = 'pending' AND queue = %(queue)s AND concurrency_key IS NULL
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
@@ -274,7 +196,8 @@ WITH acking AS MATERIALIZED (
       AND id NOT IN (SELECT id FROM candidates)
       AND NOT EXISTS (SELECT 1 FROM {schema}.rate_limits AS r WHERE r.task = jobs.task)
     ORDER BY priority DESC, run_at, id
-    LIMIT (SELECT CASE WHEN EXISTS (SELECT 1 FROM gated) THEN %(limit)s - count(*) ELSE 0 END
+    LIMIT (SELECT CASE WHEN cardinality((SELECT ids FROM gated)) > 0 THEN %(limit)s - count(*)
+                       ELSE 0 END
            FROM chosen)
     FOR UPDATE SKIP LOCKED
 ), updated AS (
@@ -301,8 +224,8 @@ WITH acking AS MATERIALIZED (
                       THEN c.defer_at[array_position(c.deferred, j.id)] ELSE j.run_at END,
         updated_at = now()
     FROM (SELECT ARRAY(SELECT id FROM chosen UNION ALL SELECT id FROM more) AS ids,
-                 ARRAY(SELECT id FROM deferred) AS deferred,
-                 ARRAY(SELECT at FROM deferred) AS defer_at) AS c
+                 ARRAY(SELECT gate_id FROM gate WHERE defer_at IS NOT NULL) AS deferred,
+                 ARRAY(SELECT defer_at FROM gate WHERE defer_at IS NOT NULL) AS defer_at) AS c
     WHERE j.id = ANY(c.ids || c.deferred || %(ids)s::uuid[])
       AND (j.id = ANY(c.ids) OR j.id = ANY(c.deferred)
            -- an ack: the same rule as job_ack (only that delivery, only while it runs)
@@ -310,17 +233,11 @@ WITH acking AS MATERIALIZED (
                AND j.attempts = (%(attempts)s::int[])[array_position(%(ids)s::uuid[], j.id)]))
     RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing_key, j.body,
               j.content_type, j.content_encoding, j.headers, j.properties, j.state
-), woken AS (
-    -- the consumers of a queue whose jobs were deferred set a timer for the first due
-    SELECT pg_notify({schema}.jobs_channel(),
-                     greatest(extract(epoch FROM min(run_at) - now()), 0)::text || ' ' || queue)
-    FROM updated WHERE state = 'scheduled' GROUP BY queue
 )
 SELECT id, queue, attempts, priority, run_at, exchange, routing_key, body,
        content_type, content_encoding, headers, properties
 FROM updated
-WHERE state = 'running'  -- the claimed rows, not the acked ones (nor the deferred)
-  AND (SELECT count(*) FROM woken) >= 0;  -- (evaluates the NOTIFYs)
+WHERE state = 'running';  -- the claimed rows, not the acked ones (nor the deferred)
 
 -- name: job_ack
 -- Completion of deliveries, each identified by (id, attempt): a late ack of an older delivery of

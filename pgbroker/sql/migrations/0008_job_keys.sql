@@ -96,3 +96,131 @@ LANGUAGE sql STABLE AS $$
     SELECT n.nspname || '.jobs' FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
     WHERE c.oid = '{schema}.jobs'::regclass
 $$;
+
+-- The claim's gate (job_claim calls it only when a candidate has a concurrency key or a
+-- rate-limited task, so unkeyed claims pay nothing for it): of the candidates p_ids (rows the
+-- claim holds locked, still pending), which to claim now (defer_at NULL) and which to defer to
+-- 'scheduled' until defer_at; those not returned stay pending. p_acks / p_attempts: the
+-- deliveries the claim acks, whose keys' slots count as free already (the release trigger frees
+-- them at the claim's end). The consumers of a queue with deferred jobs are sent the delay of
+-- the first (their eta timers wake them, as for job_insert's NOTIFY). VOLATILE: each statement
+-- sees what was committed before it.
+CREATE OR REPLACE FUNCTION {schema}.jobs_gate(p_ids uuid[], p_acks uuid[], p_attempts int[])
+RETURNS TABLE (gate_id uuid, defer_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    ids uuid[];
+    ats timestamptz[];
+BEGIN
+    IF cardinality(p_ids) = 0 THEN
+        RETURN;
+    END IF;
+    WITH acking AS MATERIALIZED (
+        SELECT j.concurrency_key AS key, count(*) AS n
+        FROM unnest(p_acks, p_attempts) AS d(id, attempt)
+        JOIN {schema}.jobs AS j ON j.id = d.id
+        WHERE j.state = 'running' AND j.attempts = d.attempt AND j.concurrency_key IS NOT NULL
+        GROUP BY j.concurrency_key
+    ), gated AS MATERIALIZED (
+        -- numbered per task in claim order
+        SELECT j.id, j.task, j.concurrency_key, j.concurrency_limit, j.priority, j.run_at,
+               r.task IS NOT NULL AS limited,
+               row_number() OVER (PARTITION BY j.task ORDER BY j.priority DESC, j.run_at, j.id)
+                   AS task_n
+        FROM {schema}.jobs AS j LEFT JOIN {schema}.rate_limits AS r ON r.task = j.task
+        WHERE j.id = ANY(p_ids)
+    ), buckets AS MATERIALIZED (
+        -- The rate-limited tasks' claim times within their period, from the newest version of
+        -- their row: FOR UPDATE (as for the keys below). SKIP LOCKED: a task another claim
+        -- holds right now waits for this turn.
+        SELECT r.task, r.max_starts, make_interval(secs => r.period_s) AS period,
+               ARRAY(SELECT t FROM unnest(r.starts) AS t
+                     WHERE t > now() - make_interval(secs => r.period_s) ORDER BY t) AS recent
+        FROM {schema}.rate_limits AS r
+        WHERE r.task IN (SELECT task FROM gated WHERE limited)
+        FOR UPDATE SKIP LOCKED
+    ), rated AS MATERIALIZED (
+        -- 'go': within its task's free starts (or not rate-limited); 'defer': beyond them, the
+        -- n-th one late until the n-th start in the window is a period old; 'wait': its
+        -- task's row is another claim's now
+        SELECT g.id, g.task, g.concurrency_key, g.concurrency_limit, g.priority, g.run_at,
+               CASE WHEN NOT g.limited THEN 'go'
+                    WHEN b.task IS NULL THEN 'wait'
+                    WHEN g.task_n <= b.max_starts - cardinality(b.recent) THEN 'go'
+                    ELSE 'defer' END AS verdict,
+               g.task_n - (b.max_starts - cardinality(b.recent)) AS late
+        FROM gated AS g LEFT JOIN buckets AS b ON b.task = g.task
+    ), wanted AS (
+        -- the slots asked for, per key: its candidates, at most its limit (the smallest its
+        -- copies were sent with)
+        SELECT concurrency_key AS key, min(concurrency_limit) AS lim,
+               least(count(*), min(concurrency_limit)) AS want
+        FROM rated WHERE verdict = 'go' AND concurrency_key IS NOT NULL
+        GROUP BY concurrency_key
+    ), locked_keys AS MATERIALIZED (
+        -- FOR UPDATE under READ COMMITTED reads the newest version of a key's row, even one
+        -- another claim committed after this statement began: 'running' is exact, so two
+        -- consumers never both take a key's last slot. SKIP LOCKED: a key another claim (or an
+        -- ack) holds right now is left for this turn. In key order, so claims lock alike.
+        -- 'running' is net of this claim's own acks.
+        SELECT k.key, k.running - coalesce(a.n, 0) AS running
+        FROM {schema}.concurrency_keys AS k LEFT JOIN acking AS a ON a.key = k.key
+        WHERE k.key IN (SELECT key FROM wanted)
+        ORDER BY k.key
+        FOR UPDATE OF k SKIP LOCKED
+    ), created AS (
+        -- a key never claimed before gets its row, with the slots taken (another claim
+        -- creating it at this moment: ON CONFLICT waits for it, then none of it this turn)
+        INSERT INTO {schema}.concurrency_keys AS k (key, running)
+        SELECT w.key, w.want FROM wanted AS w
+        WHERE NOT EXISTS (SELECT 1 FROM {schema}.concurrency_keys AS e WHERE e.key = w.key)
+        ORDER BY w.key
+        ON CONFLICT (key) DO NOTHING
+        RETURNING k.key, k.running AS granted
+    ), grown AS (
+        UPDATE {schema}.concurrency_keys AS k
+        SET running = k.running + least(w.want, w.lim - l.running), updated_at = now()
+        FROM locked_keys AS l JOIN wanted AS w ON w.key = l.key
+        WHERE k.key = l.key AND l.running < w.lim
+        RETURNING k.key, least(w.want, w.lim - l.running) AS granted
+    ), chosen AS MATERIALIZED (
+        -- every unkeyed 'go', and of each key as many as it was granted, in claim order
+        SELECT g.id, g.task
+        FROM (SELECT id, task, concurrency_key,
+                     row_number() OVER (PARTITION BY concurrency_key
+                                        ORDER BY priority DESC, run_at, id) AS n
+              FROM rated WHERE verdict = 'go') AS g
+        LEFT JOIN (SELECT key, granted FROM created UNION ALL SELECT key, granted FROM grown)
+            AS s ON s.key = g.concurrency_key
+        WHERE g.concurrency_key IS NULL OR g.n <= s.granted
+    ), started AS (
+        -- the claim times of the rate-limited tasks' claimed jobs, added to their window
+        UPDATE {schema}.rate_limits AS r
+        SET starts = b.recent || array_fill(now(), ARRAY[n.claimed]), updated_at = now()
+        FROM buckets AS b
+        JOIN (SELECT task, count(*)::int AS claimed FROM chosen GROUP BY task) AS n
+          ON n.task = b.task
+        WHERE r.task = b.task
+        RETURNING r.task, r.starts, b.period
+    )
+    SELECT array_agg(x.id), array_agg(x.at) INTO ids, ats
+    FROM (SELECT c.id, NULL::timestamptz AS at FROM chosen AS c
+          UNION ALL
+          -- when each deferred job may start: the 'late'-th start of the window (as it is now)
+          -- is a period old then (the last one's for those later still: deferred again then)
+          SELECT d.id, coalesce(w.starts[least(d.late, cardinality(w.starts))], now())
+                       + w.period
+          FROM rated AS d
+          JOIN (SELECT b.task, coalesce(s.starts, b.recent) AS starts, b.period
+                FROM buckets AS b LEFT JOIN started AS s ON s.task = b.task) AS w
+            ON w.task = d.task
+          WHERE d.verdict = 'defer') AS x;
+    PERFORM pg_notify({schema}.jobs_channel(),
+                      greatest(extract(epoch FROM min(v.at) - now()), 0)::text || ' ' || j.queue)
+    FROM unnest(ids, ats) AS v(id, at) JOIN {schema}.jobs AS j ON j.id = v.id
+    WHERE v.at IS NOT NULL
+    GROUP BY j.queue;
+    RETURN QUERY SELECT v.id, v.at FROM unnest(ids, ats) AS v(id, at);
+END
+$$;
