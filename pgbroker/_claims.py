@@ -2,7 +2,9 @@
 
 One :class:`ClaimPolicy` per channel, followed by both consuming paths of
 :class:`pgbroker._consumer.Consumer`: the worker's event loop (one queue's claim per turn) and
-``drain_events`` (a whole round per call).
+``drain_events`` (a whole round per call). It also says which statement claims a queue: a
+queue is claimed by ``job_claim`` (the cheap one) until a claim finds it gated (keyed jobs, rate
+limits: see ``sql/queries.sql``), then by ``job_claim_gated``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import uuid
 from time import monotonic
 from typing import Any
+
+from ._store import Claimed
 
 __all__ = ["ClaimPolicy", "Delivery", "WAKE_COALESCE"]
 
@@ -37,6 +41,7 @@ class ClaimPolicy:
         self.pending_acks: list[Delivery] = []  # deferred acks (see QoS.ack)
         self._rotation = 0
         self._round: list[str] = []  # event loop: the queues still to claim from in this round
+        self._gated: set[str] = set()  # the queues claimed by job_claim_gated (sticky)
 
     def may_find(self, queues: list[str]) -> bool:
         """Event loop: a claim is worth sending (something may be there, or the round goes on)."""
@@ -59,6 +64,17 @@ class ClaimPolicy:
             self._round = self.round(queues)
             self.more = False
         return self._round.pop(0)
+
+    def gated(self, queue: str) -> bool:
+        """Whether ``queue`` is claimed by job_claim_gated: since a claim found it gated (a
+        queue's gate is never lifted in the database either)."""
+        return queue in self._gated
+
+    def took(self, queue: str, rows: Claimed) -> Claimed:
+        """The rows of a claim of ``queue``: learns whether the queue is gated."""
+        if rows.gated:
+            self._gated.add(queue)
+        return rows
 
     def take_acks(self) -> list[Delivery]:
         acks, self.pending_acks = self.pending_acks, []

@@ -31,7 +31,7 @@ from ._text import escape, register_jsonb_loaders
 from .migrate import connect_ready
 from .settings import Settings
 
-__all__ = ["Store", "JobRow", "NewJob", "BROADCAST_TTL"]
+__all__ = ["Store", "JobRow", "Claimed", "NewJob", "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -102,6 +102,25 @@ class JobRow:
     content_encoding: str | None
     headers: Any
     properties: Any
+
+
+class Claimed(list):  # type: ignore[type-arg]
+    """The rows of a claim, in delivery order. ``gated``: job_claim found the queue gated (its
+    marker row) and the claim was made again by job_claim_gated: claim it with that from now on
+    (:class:`pgbroker._claims.ClaimPolicy`)."""
+
+    gated = False
+
+    @classmethod
+    def of(cls, rows: Iterable[JobRow], gated: bool = False) -> Claimed:
+        claimed = cls(sorted(rows, key=lambda r: (-r.priority, r.run_at, r.id)))
+        claimed.gated = gated
+        return claimed
+
+
+def is_gate_marker(row: Sequence[Any]) -> bool:
+    """job_claim's marker row (id NULL): the queue is gated, see job_claim."""
+    return row[0] is None
 
 
 class Store:
@@ -301,19 +320,28 @@ class Store:
 
     def claim(self, queue: str, limit: int, consumer: uuid.UUID,
               acks: Iterable[tuple[uuid.UUID, int]] = (),
-              locked: list[tuple[uuid.UUID, int]] | None = None) -> list[JobRow]:
+              locked: list[tuple[uuid.UUID, int]] | None = None,
+              gated: bool = False) -> Claimed:
         """Take up to ``limit`` due jobs of ``queue``, acknowledging ``acks`` in the same
         statement (plain acks only: no deletion). An ack whose row another session holds
         locked would make the claim wait: after CLAIM_LOCK_TIMEOUT the claim is made again
-        without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows)."""
+        without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows).
+        ``gated``: by job_claim_gated (keys and rate limits); else by job_claim, and made again
+        at once by job_claim_gated (without the acks: made) when that finds the queue gated."""
         ids, attempts = _pq.split(acks)
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
                   "attempts": attempts}
         retries = 0
+        name = "job_claim_gated" if gated else "job_claim"
         while True:
             try:
-                cur = self._execute("job_claim", params, binary=True, durable=False,
+                cur = self._execute(name, params, binary=True, durable=False,
                                     lock_timeout=CLAIM_LOCK_TIMEOUT if ids else None)
+                rows = cur.fetchall()
+                if name == "job_claim" and rows and any(is_gate_marker(r) for r in rows):
+                    name, ids, attempts = "job_claim_gated", [], []
+                    params.update(ids=ids, attempts=attempts)
+                    continue
                 break
             except psycopg.errors.DeadlockDetected:
                 # Rare (about 1 in 15,000 claims with 4 busy consumers): the statement was
@@ -325,9 +353,7 @@ class Store:
                 _keep_locked(list(zip(ids, attempts)), locked, "ack")
                 ids, attempts = [], []
                 params.update(ids=ids, attempts=attempts)
-        rows = [JobRow(*row) for row in cur.fetchall()]
-        rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
-        return rows
+        return Claimed.of((JobRow(*row) for row in rows), gated=name == "job_claim_gated")
 
     def promote(self, queues: Sequence[str], limit: int = 1000) -> int:
         row = self._execute("job_promote", {"queues": list(queues), "limit": limit,

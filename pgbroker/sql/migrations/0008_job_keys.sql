@@ -80,6 +80,34 @@ CREATE TRIGGER jobs_concurrency_release_deleted
     WHEN (OLD.state = 'running' AND OLD.concurrency_key IS NOT NULL)
     EXECUTE FUNCTION {schema}.jobs_concurrency_release();
 
+-- The queues that have held a job with a concurrency key: claimed by job_claim_gated, the
+-- others by job_claim, which then pays nothing for the keys (the claim's cost of main's). A
+-- row is added by a trigger on every way a keyed job enters a queue (insert, moved), in the
+-- same transaction, so a claim that sees the job sees its queue gated. Sticky: never removed
+-- (a queue that had keyed jobs keeps the gated claim).
+CREATE TABLE IF NOT EXISTS {schema}.gated_queues (
+    name        text        PRIMARY KEY,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE OR REPLACE FUNCTION {schema}.jobs_gate_queue() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- the look-up first: once the queue is gated, keyed inserts write (and wait for) nothing
+    IF NOT EXISTS (SELECT 1 FROM {schema}.gated_queues WHERE name = NEW.queue) THEN
+        INSERT INTO {schema}.gated_queues (name) VALUES (NEW.queue) ON CONFLICT DO NOTHING;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS jobs_gate_queue ON {schema}.jobs;
+CREATE TRIGGER jobs_gate_queue
+    AFTER INSERT OR UPDATE OF queue, concurrency_key ON {schema}.jobs
+    FOR EACH ROW
+    WHEN (NEW.concurrency_key IS NOT NULL)
+    EXECUTE FUNCTION {schema}.jobs_gate_queue();
+
 CREATE TABLE IF NOT EXISTS {schema}.rate_limits (
     task        text             PRIMARY KEY,
     max_starts  integer          NOT NULL CHECK (max_starts > 0),
