@@ -80,8 +80,9 @@ CREATE TRIGGER jobs_concurrency_release_deleted
     WHEN (OLD.state = 'running' AND OLD.concurrency_key IS NOT NULL)
     EXECUTE FUNCTION {schema}.jobs_concurrency_release();
 
--- The queues that have held a job with a concurrency key: claimed by job_claim_gated, the
--- others by job_claim, which then pays nothing for the keys (the claim's cost of main's). A
+-- The queues that have held a job with a concurrency key ('' while a rate limit exists, see
+-- rate_limits_gate): claimed by job_claim_gated, the others by job_claim, which then pays
+-- nothing for the keys (the claim's cost of main's). A
 -- row is added by a trigger on every way a keyed job enters a queue (insert, moved), in the
 -- same transaction, so a claim that sees the job sees its queue gated. Sticky: never removed
 -- (a queue that had keyed jobs keeps the gated claim).
@@ -116,6 +117,29 @@ CREATE TABLE IF NOT EXISTS {schema}.rate_limits (
     starts      timestamptz[]    NOT NULL DEFAULT '{}',
     updated_at  timestamptz      NOT NULL DEFAULT now()
 );
+
+-- While a rate limit exists, every queue is gated: gated_queues holds '' (no queue's name).
+-- Consumers writing their limits at once are serialised (an advisory lock of the transaction),
+-- and each statement of the function reads what was committed before it, so the last one to
+-- commit leaves '' exactly when rate_limits has a row.
+CREATE OR REPLACE FUNCTION {schema}.rate_limits_gate() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('{schema}.rate_limits_gate'));
+    IF EXISTS (SELECT 1 FROM {schema}.rate_limits) THEN
+        INSERT INTO {schema}.gated_queues (name) VALUES ('') ON CONFLICT DO NOTHING;
+    ELSE
+        DELETE FROM {schema}.gated_queues WHERE name = '';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS rate_limits_gate ON {schema}.rate_limits;
+CREATE TRIGGER rate_limits_gate
+    AFTER INSERT OR DELETE OR TRUNCATE ON {schema}.rate_limits
+    FOR EACH STATEMENT
+    EXECUTE FUNCTION {schema}.rate_limits_gate();
 
 -- The LISTEN/NOTIFY channel of this schema (Settings.channel), for statements that have no
 -- channel parameter (the claim's deferrals).
