@@ -8,7 +8,6 @@ arriving in a queue consumed so far by the cheap statement never waits (both con
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -23,17 +22,7 @@ from tests.integration.transport_support import (
     counts,
     new_job,
     publish,
-    store_for,
 )
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = store_for(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def gated(pg: psycopg.Connection) -> set[str]:

@@ -13,7 +13,6 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -22,15 +21,6 @@ import pytest
 from pgbroker._store import Store
 from pgbroker.sweeper import Sweeper
 from tests.integration.transport_support import age_consumer, counts, new_job, store_for
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = store_for(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def keyed(key: str | None, limit: int | None = None, **fields: Any) -> Any:

@@ -22,7 +22,7 @@ from pgbroker._jobs import NewJob, lookup_params
 from pgbroker._sql import queries
 from pgbroker._store import Store
 from pgbroker.errors import MessageError
-from tests.integration.transport_support import jobs, store_for
+from tests.integration.transport_support import jobs
 
 
 @pytest.fixture
@@ -41,15 +41,6 @@ def app(broker_url: str) -> Iterator[Celery]:
         yield app
     finally:
         app.close()
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = store_for(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def claim_all(store: Store) -> list[Any]:
