@@ -146,8 +146,9 @@ WITH candidates AS MATERIALIZED (
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
       -- nor a gated one: its row in gated_queues, or '' (no queue's name: a rate limit
-      -- exists). A primary-key probe evaluated once per statement, as the marker's below (a
-      -- CTE read by both measured slower). The key test is belt and braces.
+      -- exists). A scan of that small table (no index: see 0008_job_keys.sql), evaluated once
+      -- per statement, as the marker's below (a CTE read by both measured slower). The key
+      -- test is belt and braces.
       AND NOT EXISTS (SELECT 1 FROM {schema}.gated_queues AS g
                       WHERE g.name = ANY (ARRAY[%(queue)s, '']))
       AND concurrency_key IS NULL

@@ -1,5 +1,5 @@
 """Bench of the claim statement alone (marker ``bench``): main's pgbroker and this branch's on an
-unkeyed queue, in paired rounds (main, branch; again), each in a fresh database
+unkeyed queue, in paired rounds (main, branch; branch, main; ...), each in a fresh database
 (claim_statement_run.py: 6,000 jobs, claims of 4 with the previous claim's acks folded in, no
 Celery). Issue 22: an unkeyed queue's claim costs what main's does.
 
@@ -49,9 +49,12 @@ def test_unkeyed_claim_statement_main_vs_branch(database_url: str,
         pytest.skip(f"no main tree at {MAIN} (PGBROKER_BENCH_MAIN)")
     rounds = int(os.environ.get("PGBROKER_BENCH_ROUNDS", "6"))
     main, branch = [], []
-    for _ in range(rounds):
+    for r in range(rounds):  # which goes first alternates (the other runs after a DROP DATABASE)
+        if r % 2:
+            branch.append(_rate(database_url, BRANCH, 6000, 4))
         main.append(_rate(database_url, MAIN, 6000, 4))
-        branch.append(_rate(database_url, BRANCH, 6000, 4))
+        if not r % 2:
+            branch.append(_rate(database_url, BRANCH, 6000, 4))
     ratios = [b / m for b, m in zip(branch, main, strict=True)]
     with capsys.disabled():
         print(f"\n[figure] claim statement, 6,000 unkeyed jobs, claims of 4, acks folded,"
