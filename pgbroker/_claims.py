@@ -10,17 +10,35 @@ limits: see ``sql/queries.sql``), then by ``job_claim_gated``.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable, Sequence
 from time import monotonic
 from typing import Any
 
-from ._store import Claimed
-
-__all__ = ["ClaimPolicy", "Delivery", "WAKE_COALESCE"]
+__all__ = ["ClaimPolicy", "Claimed", "Delivery", "WAKE_COALESCE", "is_gate_marker"]
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05
 
 Delivery = tuple[uuid.UUID, int]
+
+
+class Claimed(list):  # type: ignore[type-arg]
+    """The rows of a claim, in delivery order. ``gated``: job_claim found the queue gated (its
+    marker row) and the claim was made again by job_claim_gated: claim it with that from now on
+    (:class:`pgbroker._claims.ClaimPolicy`)."""
+
+    gated = False
+
+    @classmethod
+    def of(cls, rows: Iterable[Any], gated: bool = False) -> Claimed:
+        claimed = cls(sorted(rows, key=lambda r: (-r.priority, r.run_at, r.id)))
+        claimed.gated = gated
+        return claimed
+
+
+def is_gate_marker(row: Sequence[Any]) -> bool:
+    """job_claim's marker row (id NULL): the queue is gated, see job_claim."""
+    return row[0] is None
 
 
 class ClaimPolicy:

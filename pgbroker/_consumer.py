@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 
 from . import _db
-from ._claims import WAKE_COALESCE, ClaimPolicy, Delivery
+from ._claims import WAKE_COALESCE, ClaimPolicy, Claimed, Delivery
 from ._lease import Lease
 from ._loop import LoopStatements
 from ._delivery import Broadcasts, broadcast_payload, row_payload
@@ -40,7 +40,7 @@ from ._messages import parse_delivery_tag
 from ._routing import matches
 from ._settle import RETRY as SETTLE_RETRY
 from ._settle import Settler
-from ._store import Claimed, JobRow, Store
+from ._store import JobRow, Store
 from .settings import Settings
 
 __all__ = ["Consumer"]
@@ -278,8 +278,7 @@ class Consumer:
         policy: ClaimPolicy = channel.claims
         limit = policy.batch(channel.qos)
         consumer = self.lease.ensure()
-        delivered = 0
-        full = False
+        delivered, full = 0, False
         for queue in policy.round(queues):
             want = limit - delivered
             locked: list[Delivery] = []

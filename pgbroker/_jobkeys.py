@@ -4,7 +4,7 @@
 (with ``concurrency_limit``) runs its copies N at a time across every worker. They are headers, so
 ``apply_async(headers=...)``, ``.delay()`` through a task's defaults and beat entries can set them
 as well as :func:`pgbroker.enqueue`'s keywords; the insert statements copy them into the job's
-columns (``sql/migrations/0008_job_keys.sql``). A bad value is a :class:`MessageError` here, so
+columns (``sql/migrations/0009_job_keys.sql``). A bad value is a :class:`MessageError` here, so
 nothing is written for it.
 """
 

@@ -17,7 +17,8 @@ from psycopg.adapt import Transformer
 
 from . import _db, _pq, _store
 from ._sql import queries
-from ._store import CLAIM_LOCK_TIMEOUT, Claimed, JobRow, is_gate_marker
+from ._claims import Claimed, is_gate_marker
+from ._store import CLAIM_LOCK_TIMEOUT, JobRow
 from ._text import register_jsonb_loaders
 from .settings import Settings
 

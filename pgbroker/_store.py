@@ -25,13 +25,14 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import _db, _pq
+from ._claims import Claimed, is_gate_marker
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
 from ._text import escape, register_jsonb_loaders
 from .migrate import connect_ready
 from .settings import Settings
 
-__all__ = ["Store", "JobRow", "Claimed", "NewJob", "BROADCAST_TTL"]
+__all__ = ["Store", "JobRow", "NewJob", "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -102,25 +103,6 @@ class JobRow:
     content_encoding: str | None
     headers: Any
     properties: Any
-
-
-class Claimed(list):  # type: ignore[type-arg]
-    """The rows of a claim, in delivery order. ``gated``: job_claim found the queue gated (its
-    marker row) and the claim was made again by job_claim_gated: claim it with that from now on
-    (:class:`pgbroker._claims.ClaimPolicy`)."""
-
-    gated = False
-
-    @classmethod
-    def of(cls, rows: Iterable[JobRow], gated: bool = False) -> Claimed:
-        claimed = cls(sorted(rows, key=lambda r: (-r.priority, r.run_at, r.id)))
-        claimed.gated = gated
-        return claimed
-
-
-def is_gate_marker(row: Sequence[Any]) -> bool:
-    """job_claim's marker row (id NULL): the queue is gated, see job_claim."""
-    return row[0] is None
 
 
 class Store:

@@ -198,7 +198,7 @@ WITH picked AS MATERIALIZED (
     SET state = 'pending', attempts = 0, failed_attempt = NULL, last_error = NULL,
         last_traceback = NULL, run_at = now(), locked_at = NULL, locked_by = NULL,
         -- a retried job takes its dedupe slot back if it is free; else it runs without it
-        -- (another copy queued since; 0008_job_keys.sql)
+        -- (another copy queued since; 0009_job_keys.sql)
         dedupe_key = CASE WHEN j.dedupe_key IS NOT NULL AND EXISTS (
                               SELECT 1 FROM {schema}.jobs AS h
                               WHERE h.task = j.task AND h.dedupe_key = j.dedupe_key

@@ -131,7 +131,7 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
 -- in one statement: one round trip and one commit per event-loop turn instead of two.
 -- A gated queue -- one that has held a job with a concurrency key, or any queue while a rate
--- limit exists (gated_queues, filled by triggers: 0008_job_keys.sql) -- is claimed by job_claim_gated instead:
+-- limit exists (gated_queues, filled by triggers: 0009_job_keys.sql) -- is claimed by job_claim_gated instead:
 -- here it yields no job, only a marker row (id NULL) that tells the consumer so
 -- (pgbroker._claims.ClaimPolicy); its acks are made all the same. The gate is read in this
 -- statement's snapshot, as its candidates are: a keyed job it could see, it sees gated.
@@ -146,7 +146,7 @@ WITH candidates AS MATERIALIZED (
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
       -- nor a gated one: its row in gated_queues, or '' (no queue's name: a rate limit
-      -- exists). A scan of that small table (no index: see 0008_job_keys.sql), evaluated once
+      -- exists). A scan of that small table (no index: see 0009_job_keys.sql), evaluated once
       -- per statement, as the marker's below (a CTE read by both measured slower). The key
       -- test is belt and braces.
       AND NOT EXISTS (SELECT 1 FROM {schema}.gated_queues AS g
@@ -203,7 +203,7 @@ WHERE EXISTS (SELECT 1 FROM {schema}.gated_queues AS g WHERE g.name = ANY (ARRAY
 -- A job with a concurrency key is claimed only into a free slot of its key, a job of a
 -- rate-limited task only within its task's free starts (the others deferred, 'scheduled' until a
 -- start frees): jobs_gate decides, called only when such a candidate is met; the rest flow past
--- them (0008_job_keys.sql).
+-- them (0009_job_keys.sql).
 WITH acking AS MATERIALIZED (
     -- The keyed deliveries this statement acks, per key: their slots are free by its end (the
     -- release trigger), so the candidates' filter counts them free already. Read only when a
