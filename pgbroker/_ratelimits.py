@@ -5,7 +5,7 @@ every consumer's claim reads it.
 syntax (``"10/s"``, ``"100/m"``, ``"1000/h"``; a bare number is per second). Celery's own
 ``rate_limit`` is per worker; this one bounds the claims of a task by every consumer together:
 at most N in any period (a sliding window), the jobs beyond it deferred in the database
-(``job_claim``, ``sql/migrations/0009_job_keys.sql``). A consumer writes its configuration to
+(``job_claim_gated``, ``sql/migrations/0009_job_keys.sql``). A consumer writes its configuration to
 ``rate_limits`` when it registers; one started without the option leaves the table as it is, one
 with ``{}`` removes every limit.
 """
