@@ -28,6 +28,7 @@ from kombu.serialization import dumps, registry
 from kombu.utils import json as kombu_json
 from kombu.utils.uuid import uuid as task_uuid
 
+from ._jobkeys import KEY_HEADERS
 from ._jobs import NewJob
 from ._messages import MAX_ID_BYTES, message_to_job
 from ._text import ESCAPED, storable
@@ -39,7 +40,7 @@ __all__ = ["OPTIONS", "Planned", "Templates", "app_of", "build", "check_options"
 #: The keyword options of :func:`pgbroker.enqueue`, also accepted in
 #: :func:`pgbroker.enqueue_many`'s option dicts.
 OPTIONS = frozenset({"queue", "idempotency_key", "countdown", "eta", "expires", "priority",
-                     "max_attempts", "headers"})
+                     "max_attempts", "headers", *KEY_HEADERS})
 
 
 def app_of(app: Any, task: Any) -> Any:
@@ -102,7 +103,7 @@ def build(app: Any, settings: Settings, task: Any, args: Any, kwargs: Any,
                            "pgbroker.enqueue writes to a queue, not through an exchange")
     queue_name = queue if isinstance(queue, str) else queue.name
     headers = dict(options.get("headers") or {})
-    for key in ("idempotency_key", "max_attempts"):
+    for key in ("idempotency_key", "max_attempts", *KEY_HEADERS):
         value = options.get(key)
         if value is None:
             continue

@@ -2,21 +2,68 @@
 
 One :class:`ClaimPolicy` per channel, followed by both consuming paths of
 :class:`pgbroker._consumer.Consumer`: the worker's event loop (one queue's claim per turn) and
-``drain_events`` (a whole round per call).
+``drain_events`` (a whole round per call). It also says which statement claims a queue: a
+queue is claimed by ``job_claim`` (the cheap one) until a claim finds it gated (keyed jobs, rate
+limits: see ``sql/queries.sql``), then by ``job_claim_gated``. What a claim returns: its rows
+(:class:`JobRow`), in delivery order (:class:`Claimed`).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from time import monotonic
 from typing import Any
 
-__all__ = ["ClaimPolicy", "Delivery", "WAKE_COALESCE"]
+__all__ = ["ClaimPolicy", "Claimed", "Delivery", "JobRow", "WAKE_COALESCE", "is_gate_marker"]
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05
 
 Delivery = tuple[uuid.UUID, int]
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """A claimed delivery."""
+
+    id: uuid.UUID
+    queue: str
+    attempt: int
+    priority: int
+    run_at: datetime
+    exchange: str
+    routing_key: str
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: Any
+    properties: Any
+    #: 'running'; 'dead' for an ack folded into the claim that ended its job dead (_outcomes)
+    state: str = "running"
+    task: str | None = None
+    last_error: str | None = None
+
+
+class Claimed(list):  # type: ignore[type-arg]
+    """The rows of a claim, in delivery order. ``gated``: job_claim found the queue gated (its
+    marker row) and the claim was made again by job_claim_gated: claim it with that from now on
+    (:class:`pgbroker._claims.ClaimPolicy`)."""
+
+    gated = False
+
+    @classmethod
+    def of(cls, rows: Iterable[Any], gated: bool = False) -> Claimed:
+        claimed = cls(sorted(rows, key=lambda r: (-r.priority, r.run_at, r.id)))
+        claimed.gated = gated
+        return claimed
+
+
+def is_gate_marker(row: Sequence[Any]) -> bool:
+    """job_claim's marker row (id NULL): the queue is gated, see job_claim."""
+    return row[0] is None
 
 
 class ClaimPolicy:
@@ -37,6 +84,7 @@ class ClaimPolicy:
         self.pending_acks: list[Delivery] = []  # deferred acks (see QoS.ack)
         self._rotation = 0
         self._round: list[str] = []  # event loop: the queues still to claim from in this round
+        self._gated: set[str] = set()  # the queues claimed by job_claim_gated (sticky)
 
     def may_find(self, queues: list[str]) -> bool:
         """Event loop: a claim is worth sending (something may be there, or the round goes on)."""
@@ -59,6 +107,17 @@ class ClaimPolicy:
             self._round = self.round(queues)
             self.more = False
         return self._round.pop(0)
+
+    def gated(self, queue: str) -> bool:
+        """Whether ``queue`` is claimed by job_claim_gated: since a claim found it gated (a
+        queue's gate is never lifted in the database either)."""
+        return queue in self._gated
+
+    def took(self, queue: str, rows: Claimed) -> Claimed:
+        """The rows of a claim of ``queue``: learns whether the queue is gated."""
+        if rows.gated:
+            self._gated.add(queue)
+        return rows
 
     def take_acks(self) -> list[Delivery]:
         acks, self.pending_acks = self.pending_acks, []

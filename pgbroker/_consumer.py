@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 
 from . import _db
-from ._claims import WAKE_COALESCE, ClaimPolicy, Delivery
+from ._claims import WAKE_COALESCE, ClaimPolicy, Claimed, Delivery, JobRow
 from ._lease import Lease
 from ._loop import LoopStatements
 from ._delivery import Broadcasts, broadcast_payload, row_payload
@@ -40,7 +40,7 @@ from ._messages import parse_delivery_tag
 from ._routing import matches
 from ._settle import RETRY as SETTLE_RETRY
 from ._settle import Settler
-from ._store import JobRow, Store
+from ._store import Store
 from .settings import Settings
 
 __all__ = ["Consumer"]
@@ -278,12 +278,12 @@ class Consumer:
         policy: ClaimPolicy = channel.claims
         limit = policy.batch(channel.qos)
         consumer = self.lease.ensure()
-        delivered = 0
-        full = False
+        delivered, full = 0, False
         for queue in policy.round(queues):
             want = limit - delivered
             locked: list[Delivery] = []
-            rows = self.store.claim(queue, want, consumer, policy.take_acks(), locked)
+            rows = policy.took(queue, self.store.claim(queue, want, consumer, policy.take_acks(),
+                                                       locked, policy.gated(queue)))
             self.settle_later("ack", locked)
             full = full or len(rows) >= want
             delivered += self.hand_over_rows(channel, queue, rows)
@@ -301,13 +301,13 @@ class Consumer:
         policy: ClaimPolicy = channel.claims
         queue = policy.next_queue(channel.queues)
         want = policy.batch(channel.qos)
-        line.send_claim(queue, want, self.lease.ensure(), policy.take_acks())
+        line.send_claim(queue, want, self.lease.ensure(), policy.take_acks(), policy.gated(queue))
         self.in_flight = (channel, queue, want)
         return True
 
-    def _claimed(self, channel: Any, queue: str, want: int, rows: list[JobRow]) -> None:
+    def _claimed(self, channel: Any, queue: str, want: int, rows: Claimed) -> None:
         """Hand over the rows of a claim sent by :meth:`_send_claim`."""
-        self.hand_over_rows(channel, queue, rows)
+        self.hand_over_rows(channel, queue, channel.claims.took(queue, rows))
         channel.claims.claimed(bool(rows), len(rows) >= want)
 
     def _wake_channel(self, channel: Any) -> None:

@@ -12,7 +12,8 @@ from time import monotonic
 from typing import Any
 
 from ._messages import TRANSIENT, delivery_tag, due_now, kombu_payload
-from ._store import BROADCAST_TTL, JobRow, Store
+from ._claims import JobRow
+from ._store import BROADCAST_TTL, Store
 from ._text import Unreadable
 
 __all__ = ["row_payload", "broadcast_payload", "Broadcasts"]

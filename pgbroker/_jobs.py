@@ -29,6 +29,7 @@ from psycopg.adapt import Dumper
 from psycopg.pq import Format
 from psycopg.types.json import Jsonb
 
+from ._jobkeys import dedupe_key
 from ._text import jsonb_dumps
 
 __all__ = ["NewJob", "message_digest", "row_params", "row_text_params", "batch_lists",
@@ -288,6 +289,7 @@ def lookup_params(jobs: Sequence[NewJob],
         "idempotency_key": [j.idempotency_key for j in jobs], "queue": [j.queue for j in jobs],
         "task_id": [j.task_id for j in jobs],
         "message_digest": [digests.get(j.id) or j.digest() for j in jobs],
+        "dedupe_key": [dedupe_key(j.headers) for j in jobs],
     }
 
 
@@ -299,6 +301,8 @@ def log_duplicates(jobs: Sequence[NewJob], found: Sequence[tuple[Any, Any]]) -> 
         if job_id == job.id:
             continue
         what = (f"the same message is job {job_id}" if matched == "message" else
+                f"job {job_id} holds its dedupe key {dedupe_key(job.headers)!r}"
+                if matched == "dedupe" else
                 f"its idempotency key {job.idempotency_key!r} is job {job_id}" if matched else
                 "the job it duplicates was deleted meanwhile")
         logger.debug("pgbroker: publish of task %r (%s) to queue %r deduplicated: %s",

@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 
+from ._ratelimits import write_rate_limits
 from ._sql import Queries
 from ._shared_store import acquire, release
 from ._store import Store
@@ -78,6 +79,8 @@ class Lease:
             self._lock_key = self._take_lock(conn)
             self._locked_on = conn
         self._store.register_consumer(self.id, self._queues(), self._lock_key)
+        if self.settings.rate_limits is not None:
+            write_rate_limits(conn, self.settings.schema, self.settings.rate_limits)
 
     def _relock(self, conn: psycopg.Connection[Any]) -> None:
         """The shared store has a new session: take this consumer's lock again on it (the old

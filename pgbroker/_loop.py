@@ -1,6 +1,6 @@
 """The event loop's statements: claims and acks sent on the LISTEN connection without waiting.
 
-:class:`LoopStatements` prepares ``job_claim`` and ``job_ack`` once on the consumer's LISTEN
+:class:`LoopStatements` prepares ``job_claim``, ``job_claim_gated`` and ``job_ack`` once on the consumer's LISTEN
 connection (:mod:`pgbroker._consumer` owns it) and sends them through :mod:`pgbroker._pq`; the
 loop reads their rows when the socket says they are there.
 """
@@ -17,7 +17,8 @@ from psycopg.adapt import Transformer
 
 from . import _db, _outcomes, _pq, _store
 from ._sql import queries
-from ._store import CLAIM_LOCK_TIMEOUT, JobRow
+from ._claims import Claimed, JobRow, is_gate_marker
+from ._store import CLAIM_LOCK_TIMEOUT
 from ._text import register_jsonb_loaders
 from .settings import Settings
 
@@ -34,7 +35,8 @@ class LoopStatements:
     statement is in flight at a time; only the loop's thread uses this connection.
     """
 
-    _STATEMENTS = {b"pgbroker_claim": "job_claim", b"pgbroker_ack": "job_ack"}
+    _STATEMENTS = {b"pgbroker_claim": "job_claim", b"pgbroker_claim_gated": "job_claim_gated",
+                   b"pgbroker_ack": "job_ack"}
     _TYPES = {"queue": 25, "limit": 23, "consumer": 2950, "ids": 2951, "attempts": 1007}
 
     def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
@@ -74,9 +76,12 @@ class LoopStatements:
         return self._sent is not None
 
     def send_claim(self, queue: str, limit: int, consumer: uuid.UUID,
-                   acks: Sequence[tuple[uuid.UUID, int]]) -> None:
+                   acks: Sequence[tuple[uuid.UUID, int]], gated: bool = False) -> None:
+        """As Store.claim: ``gated`` by job_claim_gated, else by job_claim, sent again by
+        job_claim_gated (without the acks: made) when that finds the queue gated."""
         ids, attempts = _pq.text_arrays(acks)
-        self._send(b"pgbroker_claim", {"queue": queue.encode(), "limit": b"%d" % limit,
+        name = b"pgbroker_claim_gated" if gated else b"pgbroker_claim"
+        self._send(name, {"queue": queue.encode(), "limit": b"%d" % limit,
                                        "consumer": str(consumer).encode(), "ids": ids,
                                        "attempts": attempts}, list(acks))
 
@@ -113,7 +118,7 @@ class LoopStatements:
                 _pq.send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values, acks)
 
-    def result(self, wait: bool = False) -> list[JobRow] | None:
+    def result(self, wait: bool = False) -> list[JobRow] | None:  # Claimed for a claim
         """The claimed rows (none for an ack) once the statement in flight has finished; None
         while it runs (or without one). The caller has read the socket (``consume_input``)."""
         pg = self._pgconn
@@ -132,7 +137,7 @@ class LoopStatements:
                     self._send(name, values, acks)
                     continue
                 if isinstance(error, psycopg.errors.LockNotAvailable):
-                    if acks and name == b"pgbroker_claim":
+                    if acks and name != b"pgbroker_ack":
                         # an ack's row is locked by another session: claim without the acks
                         self._locked.extend(acks)
                         values, acks = self._without_acks(name, values), []
@@ -143,11 +148,19 @@ class LoopStatements:
                 raise error
             self._retries = 0
             self._tx.set_pgresult(res)
-            if name != b"pgbroker_claim":  # job_ack: (id, attempt, done, state, task, error)
+            if name == b"pgbroker_ack":  # job_ack: (id, attempt, done, state, task, error)
                 done = self._tx.load_rows(0, res.ntuples, tuple)
                 self._locked.extend((row[0], row[1]) for row in done if not row[2])
                 _outcomes.settled(done)
                 return []
-            return _outcomes.claimed(self._tx.load_rows(0, res.ntuples,
-                                                        lambda values: JobRow(*values)))
+            rows = self._tx.load_rows(0, res.ntuples, tuple)
+            if name == b"pgbroker_claim" and any(is_gate_marker(r) for r in rows):
+                # the queue is gated: the same claim by job_claim_gated, its acks made
+                _outcomes.claimed([JobRow(*r) for r in rows if not is_gate_marker(r)])
+                gated = b"pgbroker_claim_gated"
+                by_name = dict(zip(self._order[name], self._without_acks(name, values)))
+                self._send(gated, [by_name[n] for n in self._order[gated]], [])
+                continue
+            return Claimed.of(_outcomes.claimed([JobRow(*r) for r in rows]),
+                              gated=name == b"pgbroker_claim_gated")
         return None

@@ -14,6 +14,7 @@ from typing import Any
 
 import uuid6
 
+from ._jobkeys import check_headers
 from ._jobs import NewJob
 from ._text import JsonError, jsonb_dumps, storable
 from .errors import IdempotencyKeyRequired, MessageError
@@ -174,6 +175,7 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
     for key in _DROPPED_PROPERTIES:
         properties.pop(key, None)
     task = headers.get("task")
+    check_headers(headers)  # dedupe and concurrency keys
     retries = _retries(headers)
     key = _identity(headers.get("idempotency_key"), "idempotency key")
     # Required of every message of the task, retries too: Celery copies custom headers into a

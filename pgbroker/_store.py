@@ -16,7 +16,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from time import monotonic
 from typing import Any
@@ -25,13 +24,14 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import _db, _outcomes, _pq
+from ._claims import Claimed, JobRow, is_gate_marker
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
 from ._text import escape, register_jsonb_loaders
 from .migrate import connect_ready
 from .settings import Settings
 
-__all__ = ["Store", "JobRow", "NewJob", "BROADCAST_TTL"]
+__all__ = ["Store", "NewJob", "BROADCAST_TTL"]
 
 #: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
 #: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
@@ -84,28 +84,6 @@ def _error(text: str | None) -> str | None:
     """An error or traceback as a text column holds it: escaped if it must be (NUL, lone
     surrogates: pgbroker._text), so recording a failure never fails for its text."""
     return None if text is None else escape(text)
-
-
-@dataclass(frozen=True, slots=True)
-class JobRow:
-    """A claimed delivery."""
-
-    id: uuid.UUID
-    queue: str
-    attempt: int
-    priority: int
-    run_at: datetime
-    exchange: str
-    routing_key: str
-    body: bytes
-    content_type: str | None
-    content_encoding: str | None
-    headers: Any
-    properties: Any
-    #: 'running'; 'dead' for an ack folded into the claim that ended its job dead (_outcomes)
-    state: str = "running"
-    task: str | None = None
-    last_error: str | None = None
 
 
 class Store:
@@ -305,19 +283,30 @@ class Store:
 
     def claim(self, queue: str, limit: int, consumer: uuid.UUID,
               acks: Iterable[tuple[uuid.UUID, int]] = (),
-              locked: list[tuple[uuid.UUID, int]] | None = None) -> list[JobRow]:
+              locked: list[tuple[uuid.UUID, int]] | None = None,
+              gated: bool = False) -> Claimed:
         """Take up to ``limit`` due jobs of ``queue``, acknowledging ``acks`` in the same
         statement (plain acks only: no deletion). An ack whose row another session holds
         locked would make the claim wait: after CLAIM_LOCK_TIMEOUT the claim is made again
-        without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows)."""
+        without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows).
+        ``gated``: by job_claim_gated (keys and rate limits); else by job_claim, and made again
+        at once by job_claim_gated (without the acks: made) when that finds the queue gated."""
         ids, attempts = _pq.split(acks)
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
                   "attempts": attempts}
         retries = 0
+        name = "job_claim_gated" if gated else "job_claim"
         while True:
             try:
-                cur = self._execute("job_claim", params, binary=True, durable=False,
+                cur = self._execute(name, params, binary=True, durable=False,
                                     lock_timeout=CLAIM_LOCK_TIMEOUT if ids else None)
+                rows = cur.fetchall()
+                if name == "job_claim" and rows and any(is_gate_marker(r) for r in rows):
+                    # the acks made: job_dead for those that ended dead, then the gated claim
+                    _outcomes.claimed([JobRow(*r) for r in rows if not is_gate_marker(r)])
+                    name, ids, attempts = "job_claim_gated", [], []
+                    params.update(ids=ids, attempts=attempts)
+                    continue
                 break
             except psycopg.errors.DeadlockDetected:
                 # Rare (about 1 in 15,000 claims with 4 busy consumers): the statement was
@@ -329,7 +318,8 @@ class Store:
                 _keep_locked(list(zip(ids, attempts)), locked, "ack")
                 ids, attempts = [], []
                 params.update(ids=ids, attempts=attempts)
-        return _outcomes.claimed([JobRow(*row) for row in cur.fetchall()])
+        return Claimed.of(_outcomes.claimed([JobRow(*row) for row in rows]),
+                          gated=name == "job_claim_gated")
 
     def promote(self, queues: Sequence[str], limit: int = 1000) -> int:
         row = self._execute("job_promote", {"queues": list(queues), "limit": limit,
@@ -573,6 +563,11 @@ class Store:
         row = self._execute("publish_duplicates_fold", {"limit": limit},
                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         return int(row[0]) if row else 0
+
+    def prune_concurrency_keys(self, limit: int = 1000, now: datetime | None = None) -> int:
+        """Delete the rows of concurrency keys idle for an hour; returns how many."""
+        return self._execute("concurrency_keys_prune", {"limit": limit, "now": now},
+                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).rowcount
 
     def expire_queues(self, limit: int = 100, now: datetime | None = None) -> int:
         return self._execute("queue_expire", {"limit": limit, "now": now},

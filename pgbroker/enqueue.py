@@ -61,6 +61,8 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
             countdown: float | None = None, eta: datetime | None = None,
             expires: float | datetime | None = None, priority: int | None = None,
             max_attempts: int | None = None, headers: dict[str, Any] | None = None,
+            dedupe_key: str | None = None, dedupe_active: bool | None = None,
+            concurrency_key: str | None = None, concurrency_limit: int | None = None,
             app: Any = None) -> uuid.UUID:
     """Write one Celery task message in ``db``'s current transaction; return the job's id.
 
@@ -75,6 +77,11 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         countdown, eta, expires, priority: as in ``apply_async``.
         max_attempts: deliveries before the job goes ``dead`` (default: the transport option).
         headers: extra message headers, as ``apply_async(headers=...)``.
+        dedupe_key: at most one copy of (task, key) queued (not started yet): a duplicate
+            inserts nothing, raises nothing, and the queued copy's id is returned. With
+            ``dedupe_active=True`` also none while a copy runs (README: "Dedupe while queued").
+        concurrency_key, concurrency_limit: copies with the key run ``concurrency_limit``
+            (default 1) at a time across all workers; they wait in the queue meanwhile.
         app: the Celery app (default: the task's app, else ``celery.current_app``).
 
     Raises:
@@ -87,7 +94,8 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     settings, job = job_for(app, task, args, kwargs, {
         "queue": queue, "idempotency_key": idempotency_key, "countdown": countdown, "eta": eta,
         "expires": expires, "priority": priority, "max_attempts": max_attempts,
-        "headers": headers})
+        "headers": headers, "dedupe_key": dedupe_key, "dedupe_active": dedupe_active,
+        "concurrency_key": concurrency_key, "concurrency_limit": concurrency_limit})
     return _write.insert(connector_for(db).connection(), settings, job)
 
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._ratelimits import RateLimit, parse_rate_limits
 from .errors import ConfigurationError
 
 __all__ = ["Settings"]
@@ -79,6 +80,9 @@ class Settings:
     #: Deliveries of one task name in a row that lose their worker (killed, out of memory,
     #: unreachable) before that task name is paused (not claimed until resumed); 0: never.
     pause_task_after: int = 5
+    #: Cluster-wide rate limits, ``{task name: "10/s"}`` (Celery's rate syntax; pgbroker's
+    #: claims of the task by every consumer together). None: leave the database's as they are.
+    rate_limits: tuple[RateLimit, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, str) or not _SCHEMA_RE.fullmatch(self.schema):
@@ -105,6 +109,9 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigurationError(f"{name} must be a number of seconds >= 0, not {value!r}")
+        if self.rate_limits is not None and not (isinstance(self.rate_limits, tuple) and all(
+                isinstance(limit, RateLimit) for limit in self.rate_limits)):
+            object.__setattr__(self, "rate_limits", parse_rate_limits(self.rate_limits))
         if self.heartbeat_interval <= 0 or self.lease_timeout < 2 * self.heartbeat_interval:
             raise ConfigurationError(
                 f"lease_timeout ({self.lease_timeout}) must be at least twice heartbeat_interval "
@@ -130,6 +137,8 @@ class Settings:
                 raise ConfigurationError(f"unknown pgbroker transport option {key!r}{hint}")
         if "require_idempotency_key" in values:
             values["require_idempotency_key"] = _names(values["require_idempotency_key"])
+        if values.get("rate_limits") is not None:
+            values["rate_limits"] = parse_rate_limits(values["rate_limits"])
         return cls(**values)
 
 

@@ -55,6 +55,7 @@ class SweepResult:
     broadcasts: int = 0   # broadcast rows past their minute
     statistics: int = 0   # rows of the admin page's per-minute statistics written
     folded: int = 0       # duplicate-publish counter rows folded into one per queue
+    keys: int = 0         # rows of concurrency keys idle for an hour, deleted
 
     def __bool__(self) -> bool:
         return any(vars(self).values())
@@ -94,8 +95,10 @@ class Sweeper:
         # once a minute, by one sweeper; else it writes nothing
         statistics = self._step("statistics", store.rollup, 0)
         folded = self._step("duplicate folding", store.fold_duplicates, 0)
+        keys = self._step("concurrency key pruning",
+                          lambda: store.prune_concurrency_keys(now=now), 0)
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
-                             broadcasts, statistics, folded)
+                             broadcasts, statistics, folded, keys)
         if rescued or buried:
             logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
                            "%d consumer(s) removed", rescued, buried, consumers)

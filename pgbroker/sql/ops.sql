@@ -205,6 +205,15 @@ WITH picked AS MATERIALIZED (
     UPDATE {schema}.jobs AS j
     SET state = 'pending', attempts = 0, failed_attempt = NULL, last_error = NULL,
         last_traceback = NULL, run_at = now(), locked_at = NULL, locked_by = NULL,
+        -- a retried job takes its dedupe slot back if it is free; else it runs without it
+        -- (another copy queued since; 0010_job_keys.sql)
+        dedupe_key = CASE WHEN j.dedupe_key IS NOT NULL AND EXISTS (
+                              SELECT 1 FROM {schema}.jobs AS h
+                              WHERE h.task = j.task AND h.dedupe_key = j.dedupe_key
+                                AND ((h.state IN ('pending', 'scheduled') AND h.attempts = 0)
+                                     OR (h.dedupe_active
+                                         AND h.state IN ('pending', 'scheduled', 'running'))))
+                          THEN NULL ELSE j.dedupe_key END,
         updated_at = now()
     FROM picked AS p
     WHERE j.id = p.id AND %(action)s::text = 'retry'

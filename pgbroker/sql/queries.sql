@@ -7,25 +7,56 @@
 -- name: job_insert
 -- One message. The NOTIFY goes out in the same transaction, so it is delivered only on commit,
 -- and only when a row was really inserted. Its payload is a wake-up, never the message:
--- "<seconds until due> <queue>". A duplicate -- the same (task, idempotency_key), or the same
--- message (task_id, queue, message_digest: a producer's own retry of one publish) -- inserts
--- nothing, wakes nobody and returns no row; the caller then runs job_enqueued_ids, which counts
--- it and names the job it duplicates.
-WITH inserted AS (
+-- "<seconds until due> <queue>". A duplicate -- the same (task, idempotency_key), the same
+-- (task, dedupe_key) while a copy holds its slot (jobs_dedupe_idx), or the same message
+-- (task_id, queue, message_digest: a producer's own retry of one publish) -- inserts nothing,
+-- wakes nobody and returns no row; the caller then runs job_enqueued_ids, which counts it and
+-- names the job it duplicates.
+WITH keys AS MATERIALIZED (
+    -- the job keys of the headers (checked at publish: pgbroker._jobkeys)
+    SELECT %(headers)s::jsonb ->> 'dedupe_key' AS dedupe_key,
+           coalesce((%(headers)s::jsonb ->> 'dedupe_active')::boolean, false) AS dedupe_active,
+           %(headers)s::jsonb ->> 'concurrency_key' AS concurrency_key,
+           (%(headers)s::jsonb ->> 'concurrency_limit')::int AS concurrency_limit
+), released AS (
+    -- A Celery retry (retries > 0, the same task id) continues its job: it takes the dedupe
+    -- slot over from its own copy, which with dedupe_active still holds it while it runs.
+    UPDATE {schema}.jobs AS j SET dedupe_key = NULL
+    FROM keys AS k
+    WHERE %(retries)s::int > 0 AND k.dedupe_key IS NOT NULL AND k.dedupe_active
+      AND j.task = %(task)s AND j.dedupe_key = k.dedupe_key AND j.task_id = %(task_id)s
+      AND j.dedupe_active AND j.state IN ('pending', 'scheduled', 'running')
+    RETURNING j.id
+), inserted AS (
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
-                               message_digest)
-    VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
-            %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
-            CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
-            %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
-            -- the queue's x-message-ttl, if declared, bounds the message's own expiry
-            least(%(expires_at)s::timestamptz,
-                  (SELECT now() + make_interval(secs => (q.arguments->>'x-message-ttl')::float8
-                                                       / 1000)
-                   FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
-            %(idempotency_key)s, %(message_digest)s)
+                               message_digest, dedupe_key, dedupe_active, concurrency_key,
+                               concurrency_limit)
+    SELECT %(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+           %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
+           CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
+           %(priority)s, %(max_attempts)s, COALESCE(%(run_at)s::timestamptz, now()),
+           -- the queue's x-message-ttl, if declared, bounds the message's own expiry
+           least(%(expires_at)s::timestamptz,
+                 (SELECT now() + make_interval(secs => (q.arguments->>'x-message-ttl')::float8
+                                                      / 1000)
+                  FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
+           %(idempotency_key)s, %(message_digest)s,
+           -- A retry is never dropped as a duplicate: when another copy holds the slot (one
+           -- queued while this job ran), it is queued without the slot.
+           CASE WHEN k.dedupe_key IS NULL OR %(retries)s::int = 0 THEN k.dedupe_key
+                WHEN EXISTS (SELECT 1 FROM {schema}.jobs AS h
+                             WHERE h.task = %(task)s AND h.dedupe_key = k.dedupe_key
+                               AND h.task_id IS DISTINCT FROM %(task_id)s
+                               AND ((h.state IN ('pending', 'scheduled') AND h.attempts = 0)
+                                    OR (h.dedupe_active
+                                        AND h.state IN ('pending', 'scheduled', 'running'))))
+                THEN NULL ELSE k.dedupe_key END,
+           k.dedupe_key IS NOT NULL AND k.dedupe_active, k.concurrency_key,
+           CASE WHEN k.concurrency_key IS NOT NULL THEN coalesce(k.concurrency_limit, 1) END
+    FROM keys AS k
+    WHERE (SELECT count(*) FROM released) >= 0  -- (the release first: its slot is free then)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at
 )
@@ -64,10 +95,12 @@ WITH m AS (
               content_encoding, headers, properties, priority, max_attempts, run_at,
               expires_at, idempotency_key, message_digest)
 ), inserted AS (
+    -- (the job keys as in job_insert; a batch holds new messages, not Celery retries)
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
-                               message_digest)
+                               message_digest, dedupe_key, dedupe_active, concurrency_key,
+                               concurrency_limit)
     SELECT id, queue, task, task_id, retries, exchange, routing_key, body,
            content_type, content_encoding, headers, properties,
            CASE WHEN run_at > now() THEN 'scheduled' ELSE 'pending' END,
@@ -76,7 +109,12 @@ WITH m AS (
            least(expires_at, (SELECT now() + make_interval(
                                   secs => (q.arguments->>'x-message-ttl')::float8 / 1000)
                               FROM {schema}.queues AS q WHERE q.name = m.queue)),
-           idempotency_key, message_digest
+           idempotency_key, message_digest, headers ->> 'dedupe_key',
+           headers ->> 'dedupe_key' IS NOT NULL
+               AND coalesce((headers ->> 'dedupe_active')::boolean, false),
+           headers ->> 'concurrency_key',
+           CASE WHEN headers ->> 'concurrency_key' IS NOT NULL
+                THEN coalesce((headers ->> 'concurrency_limit')::int, 1) END
     FROM m
     ON CONFLICT DO NOTHING
     RETURNING id, queue, run_at
@@ -92,6 +130,11 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- name: job_claim
 -- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
 -- in one statement: one round trip and one commit per event-loop turn instead of two.
+-- A gated queue -- one that has held a job with a concurrency key, or any queue while a rate
+-- limit exists (gated_queues, filled by triggers: 0010_job_keys.sql) -- is claimed by job_claim_gated instead:
+-- here it yields no job, only a marker row (id NULL) that tells the consumer so
+-- (pgbroker._claims.ClaimPolicy); its acks are made all the same. The gate is read in this
+-- statement's snapshot, as its candidates are: a keyed job it could see, it sees gated.
 WITH candidates AS MATERIALIZED (
     -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
     -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
@@ -109,6 +152,13 @@ WITH candidates AS MATERIALIZED (
       -- of one task name made "task <> (a name)" look like it matches nothing, and the claim
       -- was planned as a bitmap scan and a sort of the whole backlog (as was a NOT EXISTS)
       AND coalesce(task, '') <> ALL (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp))
+      -- nor a gated one: its row in gated_queues, or '' (no queue's name: a rate limit
+      -- exists). A scan of that small table (no index: see 0010_job_keys.sql), evaluated once
+      -- per statement, as the marker's below (a CTE read by both measured slower). The key
+      -- test is belt and braces.
+      AND NOT EXISTS (SELECT 1 FROM {schema}.gated_queues AS g
+                      WHERE g.name = ANY (ARRAY[%(queue)s, '']))
+      AND concurrency_key IS NULL
       -- an expired message is never delivered (the sweeper marks it 'expired'), and must not
       -- use up the LIMIT either
       AND (expires_at IS NULL OR expires_at > now())
@@ -149,6 +199,134 @@ WITH candidates AS MATERIALIZED (
     WHERE task IN (SELECT task FROM updated WHERE state = 'completed')
 )
 -- the claimed rows, and the acked ones that ended dead (for pgbroker.signals.job_dead)
+SELECT id, queue, attempts, priority, run_at, exchange, routing_key, body,
+       content_type, content_encoding, headers, properties, state, task, last_error
+FROM updated
+WHERE state IN ('running', 'dead')
+UNION ALL
+-- the marker: this queue is gated
+SELECT NULL, %(queue)s, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL
+WHERE EXISTS (SELECT 1 FROM {schema}.gated_queues AS g WHERE g.name = ANY (ARRAY[%(queue)s, '']));
+
+
+-- name: job_claim_gated
+-- Acknowledge the consumer's finished deliveries and take up to 'limit' due jobs of one queue,
+-- in one statement: one round trip and one commit per event-loop turn instead of two.
+-- The claim of a gated queue (see job_claim, which claims the others).
+-- A job with a concurrency key is claimed only into a free slot of its key, a job of a
+-- rate-limited task only within its task's free starts (the others deferred, 'scheduled' until a
+-- start frees): jobs_gate decides, called only when such a candidate is met; the rest flow past
+-- them (0010_job_keys.sql).
+WITH acking AS MATERIALIZED (
+    -- The keyed deliveries this statement acks, per key: their slots are free by its end (the
+    -- release trigger), so the candidates' filter counts them free already. Read only when a
+    -- keyed candidate is met: nothing for unkeyed queues. (A primary-key probe per ack, LIMIT 1
+    -- keeping it one, the state tested outside: planned as a join, or with the state inside,
+    -- statistics that see an empty table walked a whole index; tests/bench/test_query_plans.py.)
+    SELECT j.key, count(*) AS n
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    CROSS JOIN LATERAL (SELECT r.concurrency_key AS key, r.state, r.attempts
+                        FROM {schema}.jobs AS r WHERE r.id = d.id LIMIT 1) AS j
+    WHERE j.state = 'running' AND j.attempts = d.attempt AND j.key IS NOT NULL
+    GROUP BY j.key
+), candidates AS MATERIALIZED (
+    -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
+    -- lock (or claim) more rows than the LIMIT. SKIP LOCKED: concurrent consumers take different
+    -- rows instead of queueing behind each other. The partial index jobs_claim_idx serves the
+    -- WHERE and the ORDER BY, so the cost is the batch, not the table.
+    SELECT id, task, concurrency_key
+    FROM {schema}.jobs
+    WHERE state = 'pending' AND queue = %(queue)s
+      -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
+      -- a paused task name is not claimed either (as in job_claim)
+      AND coalesce(task, '') <> ALL (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp))
+      -- an expired message is never delivered (the sweeper marks it 'expired'), and must not
+      -- use up the LIMIT either
+      AND (expires_at IS NULL OR expires_at > now())
+      -- a keyed job whose key has no free slot waits, passed over, without using up the LIMIT
+      -- (a primary-key probe, for keyed rows only)
+      AND (concurrency_key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM {schema}.concurrency_keys AS k
+                          WHERE k.key = jobs.concurrency_key
+                            AND k.running - coalesce((SELECT a.n FROM acking AS a
+                                                      WHERE a.key = k.key), 0)
+                                >= jobs.concurrency_limit))
+    ORDER BY priority DESC, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), gated AS MATERIALIZED (
+    -- the candidates a key or a rate limit may hold back (usually none)
+    SELECT ARRAY(SELECT c.id FROM candidates AS c
+                 WHERE c.concurrency_key IS NOT NULL
+                    OR c.task IN (SELECT r.task FROM {schema}.rate_limits AS r)) AS ids
+), gate AS MATERIALIZED (
+    -- which of them to claim (defer_at NULL), which to defer; the others stay pending
+    SELECT g.gate_id, g.defer_at
+    FROM gated, {schema}.jobs_gate(gated.ids, %(ids)s::uuid[], %(attempts)s::int[]) AS g
+    WHERE cardinality(gated.ids) > 0
+), chosen AS MATERIALIZED (
+    SELECT id FROM candidates WHERE id <> ALL ((SELECT ids FROM gated)::uuid[])
+    UNION ALL
+    SELECT gate_id FROM gate WHERE defer_at IS NULL
+), more AS MATERIALIZED (
+    -- Candidates held back left room in the batch: fill it with free jobs past them. A short
+    -- batch tells the consumer the queue is empty (it then waits for a NOTIFY), so without
+    -- this the jobs behind waiting keyed ones would wait too. (LIMIT 0, no scan, when no
+    -- candidate was gated.)
+    SELECT id FROM {schema}.jobs
+    WHERE state = 'pending' AND queue = %(queue)s AND concurrency_key IS NULL
+      AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
+      AND coalesce(task, '') <> ALL (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp))
+      AND (expires_at IS NULL OR expires_at > now())
+      AND id NOT IN (SELECT id FROM candidates)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.rate_limits AS r WHERE r.task = jobs.task)
+    ORDER BY priority DESC, run_at, id
+    LIMIT (SELECT CASE WHEN cardinality((SELECT ids FROM gated)) > 0 THEN %(limit)s - count(*)
+                       ELSE 0 END
+           FROM chosen)
+    FOR UPDATE SKIP LOCKED
+), updated AS (
+    -- The claimed candidates and the acked deliveries in one UPDATE: PostgreSQL prepares a
+    -- modified table's CHECK constraints and index predicates once per UPDATE it executes, so
+    -- one UPDATE instead of two is measurably cheaper (docs/benchmarks.md).
+    -- = ANY(...), not a join: with statistics that still see an empty table (a drained queue
+    -- before the next ANALYZE), a cached join plan walked all of jobs_pkey (9-15 ms per claim).
+    UPDATE {schema}.jobs AS j
+    -- A row updated here is 'pending' only if it is a candidate (locked above, so unchanged);
+    -- an acked one is 'running' (and ends as job_ack says).
+    -- (A deferred candidate goes back to 'scheduled', due when its task may start again.)
+    SET state = CASE WHEN j.id = ANY(c.deferred) THEN 'scheduled'
+                     WHEN j.state = 'pending' THEN 'running'
+                     WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+                     WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
+        -- an attempt is spent at claim: a job that kills its worker has used it up, so a
+        -- poison job cannot loop
+        attempts = CASE WHEN j.id = ANY(c.ids) THEN j.attempts + 1 ELSE j.attempts END,
+        -- the claim's time stays at the ack: the admin page's run times (claim -> ack)
+        locked_at = CASE WHEN j.id = ANY(c.ids) THEN now() ELSE j.locked_at END,
+        locked_by = CASE WHEN j.id = ANY(c.ids) THEN %(consumer)s ELSE j.locked_by END,
+        run_at = CASE WHEN j.id = ANY(c.deferred)
+                      THEN c.defer_at[array_position(c.deferred, j.id)] ELSE j.run_at END,
+        updated_at = now()
+    FROM (SELECT ARRAY(SELECT id FROM chosen UNION ALL SELECT id FROM more) AS ids,
+                 ARRAY(SELECT gate_id FROM gate WHERE defer_at IS NOT NULL) AS deferred,
+                 ARRAY(SELECT defer_at FROM gate WHERE defer_at IS NOT NULL) AS defer_at) AS c
+    WHERE j.id = ANY(c.ids || c.deferred || %(ids)s::uuid[])
+      AND (j.id = ANY(c.ids) OR j.id = ANY(c.deferred)
+           -- an ack: the same rule as job_ack (only that delivery, only while it runs)
+           OR (j.state = 'running'
+               AND j.attempts = (%(attempts)s::int[])[array_position(%(ids)s::uuid[], j.id)]))
+    RETURNING j.id, j.queue, j.attempts, j.priority, j.run_at, j.exchange, j.routing_key, j.body,
+              j.content_type, j.content_encoding, j.headers, j.properties, j.state, j.task,
+              j.last_error
+), streak_ended AS (
+    -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
+    DELETE FROM {schema}.task_losses
+    WHERE task IN (SELECT task FROM updated WHERE state = 'completed')
+)
+-- the claimed rows (not the deferred), and the acked ones that ended dead (as in job_claim)
 SELECT id, queue, attempts, priority, run_at, exchange, routing_key, body,
        content_type, content_encoding, headers, properties, state, task, last_error
 FROM updated
