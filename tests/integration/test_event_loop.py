@@ -129,3 +129,20 @@ def test_a_statement_that_fails_in_flight_raises_in_the_loop(broker_url: str,
             pg.execute("ROLLBACK")
         consumer.hub.close()
     assert {(r["state"], r["attempts"]) for r in jobs(pg)} == {("pending", 0)}
+
+
+def test_a_notify_read_with_a_statements_result_wakes_the_loop(broker_url: str,
+                                                               pg: psycopg.Connection) -> None:
+    """A NOTIFY that comes in the same read as the result of the statement in flight: libpq
+    parses it only while that result is taken, after the notifications were read; it must still
+    lead to a claim, not wait for the poll (none here). An idle worker acking its last task as
+    the next one is published met this now and then: that task came one poll_interval late."""
+    with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+        consumer = LoopConsumer(conn, "idle", prefetch=10)
+        consumer.run_until(lambda: conn.transport.in_flight is not None)  # finds nothing
+        time.sleep(0.3)  # its result is in the socket, unread; the loop is not turned
+        publish(producer, "late", "idle")
+        time.sleep(0.3)  # the NOTIFY is in the socket behind it
+        consumer.run_until(lambda: len(consumer.received) == 1, timeout=5)
+        assert consumer.received[0].payload == "late"
+        consumer.hub.close()
