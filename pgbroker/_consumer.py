@@ -396,8 +396,7 @@ class Consumer:
             self._due_entry = self._loop.call_later(max(delay, 0.0), self._on_due)
 
     def _on_due(self) -> None:
-        self._due_at = None
-        self._due_entry = None
+        self._due_at, self._due_entry = None, None
         queues = self.queues()
         if not queues:
             return
@@ -506,6 +505,7 @@ class Consumer:
     def _on_readable(self) -> None:
         self._read_notifications()
         self._take_result()
+        self._read_notifications()  # a NOTIFY behind a result: libpq parses it only as it takes it
         self._turn()
 
     def _take_result(self) -> None:

@@ -8,6 +8,9 @@ claim still in flight when the consumer closes.
 
 from __future__ import annotations
 
+import fcntl
+import struct
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +34,16 @@ def locker(db_url: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(db_url) as conn:
         yield conn
         conn.rollback()
+
+
+def wait_for_bytes(fd: int, more_than: int, timeout: float = 10.0) -> int:
+    """Wait until more than ``more_than`` bytes wait unread on socket ``fd``; returns how many."""
+    deadline = time.monotonic() + timeout
+    while (unread := struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]) \
+            <= more_than:
+        assert time.monotonic() < deadline, f"still {unread} bytes unread on the socket"
+        time.sleep(0.01)
+    return unread
 
 
 def lock_jobs(conn: psycopg.Connection) -> None:
@@ -129,3 +142,22 @@ def test_a_statement_that_fails_in_flight_raises_in_the_loop(broker_url: str,
             pg.execute("ROLLBACK")
         consumer.hub.close()
     assert {(r["state"], r["attempts"]) for r in jobs(pg)} == {("pending", 0)}
+
+
+def test_a_notify_read_with_a_statements_result_wakes_the_loop(broker_url: str,
+                                                               pg: psycopg.Connection) -> None:
+    """A NOTIFY that comes in the same read as the result of the statement in flight: libpq
+    parses it only while that result is taken, after the notifications were read; it must still
+    lead to a claim, not wait for the poll (none here). An idle worker acking its last task as
+    the next one is published met this now and then: that task came up to a poll_interval late."""
+    with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+        consumer = LoopConsumer(conn, "idle", prefetch=10)
+        consumer.run_until(lambda: conn.transport.in_flight is not None)  # finds nothing
+        listener = conn.transport.consumer.listen().fileno()
+        # the loop is not turned: its result comes into the socket, unread, then the NOTIFY
+        result = wait_for_bytes(listener, 0)
+        publish(producer, "late", "idle")
+        wait_for_bytes(listener, result)
+        consumer.run_until(lambda: len(consumer.received) == 1, timeout=5)
+        assert consumer.received[0].payload == "late"
+        consumer.hub.close()
