@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._text import storable
+from ._text import checked_name
 from .errors import MessageError
 
 __all__ = ["KEY_HEADERS", "MAX_KEY_BYTES", "MAX_CONCURRENCY_LIMIT", "check_headers", "dedupe_key"]
@@ -32,13 +32,7 @@ MAX_CONCURRENCY_LIMIT = 2**31 - 1
 def _key(value: Any, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise MessageError(f"{what} must be a non-empty string, not {value!r}")
-    if not storable(value):
-        raise MessageError(f"{what} {value[:80]!r} contains a NUL or a lone surrogate, which "
-                           "PostgreSQL text cannot hold")
-    size = len(value.encode())
-    if size > MAX_KEY_BYTES:
-        raise MessageError(f"{what} is {size} bytes in UTF-8; the limit is {MAX_KEY_BYTES} bytes")
-    return value
+    return checked_name(value, what, MAX_KEY_BYTES)
 
 
 def check_headers(headers: Mapping[str, Any]) -> None:

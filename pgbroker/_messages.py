@@ -16,7 +16,7 @@ import uuid6
 
 from ._jobkeys import check_headers
 from ._jobs import NewJob
-from ._text import JsonError, jsonb_dumps, storable
+from ._text import JsonError, checked_name, jsonb_dumps
 from .errors import IdempotencyKeyRequired, MessageError
 from .settings import Settings
 
@@ -58,7 +58,7 @@ def validate_queue_name(name: Any, what: str = "queue") -> str:
     if len(name) > MAX_NAME_LENGTH:
         raise MessageError(f"{what} name is {len(name)} characters long; the limit is "
                            f"{MAX_NAME_LENGTH}")
-    _storable(name, f"{what} name", MAX_NAME_BYTES)
+    checked_name(name, f"{what} name", MAX_NAME_BYTES)
     return name
 
 
@@ -70,20 +70,9 @@ def validate_binding(exchange: str, routing_key: str, queue: str) -> None:
                            f"bytes in UTF-8 together; the limit is {MAX_BINDING_BYTES} bytes")
 
 
-def _storable(text: str, what: str, limit: int) -> str:
-    """``text`` if PostgreSQL text and its btree indexes can hold it, else a MessageError."""
-    if not storable(text):
-        raise MessageError(f"{what} {text[:80]!r} contains a NUL or a lone surrogate, which "
-                           "PostgreSQL text cannot hold")
-    size = len(text.encode())
-    if size > limit:
-        raise MessageError(f"{what} is {size} bytes in UTF-8; the limit is {limit} bytes")
-    return text
-
-
 def _identity(value: Any, what: str) -> str | None:
     """A task name, task id or idempotency key as stored (None stays None)."""
-    return None if value is None else _storable(str(value), what, MAX_ID_BYTES)
+    return None if value is None else checked_name(str(value), what, MAX_ID_BYTES)
 
 
 def _content_label(value: Any, what: str) -> str | None:
@@ -92,7 +81,7 @@ def _content_label(value: Any, what: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise MessageError(f"{what} must be a string, not {type(value).__name__}")
-    return _storable(value, what, MAX_NAME_BYTES)
+    return checked_name(value, what, MAX_NAME_BYTES)
 
 
 def _json_text(value: dict[str, Any], what: str) -> str:

@@ -28,7 +28,9 @@ from typing import Any
 from psycopg.adapt import Loader
 from psycopg.pq import Format
 
-__all__ = ["ESCAPED", "MAX_NESTING", "JsonError", "Unreadable", "storable", "escape", "unescape",
+from .errors import MessageError
+
+__all__ = ["ESCAPED", "MAX_NESTING", "JsonError", "Unreadable", "storable", "checked_name", "escape", "unescape",
            "escape_json", "unescape_json", "jsonb_dumps", "nesting", "register_jsonb_loaders"]
 
 #: What begins a stored string that was escaped.
@@ -58,6 +60,18 @@ def _unescape_sequence(match: re.Match[str]) -> str:
 def storable(text: str) -> bool:
     """Whether PostgreSQL text can hold ``text`` as it is (no NUL, no surrogate)."""
     return _UNSTORABLE.search(text) is None
+
+
+def checked_name(text: str, what: str, limit: int) -> str:
+    """``text`` if PostgreSQL text and its btree indexes can hold it (no NUL or lone surrogate,
+    at most ``limit`` bytes of UTF-8), else a MessageError naming ``what``."""
+    if not storable(text):
+        raise MessageError(f"{what} {text[:80]!r} contains a NUL or a lone surrogate, which "
+                           "PostgreSQL text cannot hold")
+    size = len(text.encode())
+    if size > limit:
+        raise MessageError(f"{what} is {size} bytes in UTF-8; the limit is {limit} bytes")
+    return text
 
 
 def _needs_escape(text: str) -> bool:
