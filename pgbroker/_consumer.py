@@ -316,11 +316,12 @@ class Consumer:
 
     # -- notifications and broadcasts --------------------------------------------------------
 
-    def _read_notifications(self) -> int:
+    def _read_notifications(self, read: bool = True) -> int:
         """Drain pending NOTIFYs: mark the channels consuming those queues, arm due timers,
-        deliver broadcasts. Returns the number of broadcast deliveries made."""
+        deliver broadcasts. Returns the number of broadcast deliveries made. ``read=False``:
+        only those libpq has read from the socket already (see :meth:`_on_readable`)."""
         with _db.translate_errors("reading notifications"):
-            payloads = _db.notifications(self.listen())
+            payloads = _db.notifications(self.listen(), read=read)
         delivered = 0
         for payload in payloads:
             kind, _, rest = payload.partition(" ")
@@ -505,7 +506,10 @@ class Consumer:
     def _on_readable(self) -> None:
         self._read_notifications()
         self._take_result()
-        self._read_notifications()  # a NOTIFY behind a result: libpq parses it only as it takes it
+        # A NOTIFY behind a result: libpq parses it only as it takes the result. Not a read of
+        # the socket: one could take the last bytes of an unfinished result into libpq's
+        # buffer, and the socket, quiet then, would never call for that result again.
+        self._read_notifications(read=False)
         self._turn()
 
     def _take_result(self) -> None:

@@ -258,13 +258,18 @@ def wait_readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
-def notifications(conn: psycopg.Connection[Any], what: str = "the LISTEN connection") -> list[str]:
+def notifications(conn: psycopg.Connection[Any], what: str = "the LISTEN connection",
+                  read: bool = True) -> list[str]:
     """The payloads of the notifications that arrived on ``conn``, in order; never blocks
-    (libpq reads what is there). A connection the server closed raises
+    (libpq reads what is there). ``read=False``: only those in what libpq has read already
+    (its buffer), the socket left alone. A connection the server closed raises
     :class:`DatabaseUnavailable` ("``what`` was closed by the server"); the caller translates
     the driver's own errors (:func:`translate_errors`)."""
     pgconn = conn.pgconn
-    pgconn.consume_input()
+    if read:
+        pgconn.consume_input()
+    else:
+        pgconn.is_busy()  # parses the buffer (a NOTIFY behind a result) without a read
     if pgconn.status != psycopg.pq.ConnStatus.OK:
         raise DatabaseUnavailable(f"{what} was closed by the server")
     payloads = []

@@ -161,3 +161,21 @@ def test_a_notify_read_with_a_statements_result_wakes_the_loop(broker_url: str,
         consumer.run_until(lambda: len(consumer.received) == 1, timeout=5)
         assert consumer.received[0].payload == "late"
         consumer.hub.close()
+
+
+def test_a_claim_result_that_arrives_in_many_reads_is_taken(broker_url: str,
+                                                           pg: psycopg.Connection) -> None:
+    """A claim's result larger than one read of the socket: the loop read the NOTIFYs again
+    after finding the result unfinished, and that read took the result's last bytes into
+    libpq's buffer, leaving the socket quiet; the finished claim then waited there for a poll
+    (none here), its rows running and undelivered. Half of the workers that claimed a 25 KB
+    batch hung like that."""
+    body = "x" * 20_000
+    with connect(broker_url) as conn:
+        for n in range(400):
+            publish(conn, [n, body], "big")
+    with connect(broker_url, **NO_POLL) as conn:
+        consumer = LoopConsumer(conn, "big", prefetch=40)  # claims of ~800 KB each
+        consumer.run_until(lambda: len(consumer.received) == 400, timeout=60)
+        consumer.hub.close()
+    assert sorted(m.payload[0] for m in consumer.received) == list(range(400))
