@@ -422,8 +422,11 @@ class Consumer:
             self.schedule_due(self.store.next_due(queues))
 
     def _poll(self) -> None:
-        """The fallback for lost notifications: claim anyway, and check due jobs."""
+        """The fallback for lost notifications: claim anyway, and check due jobs; and for a lost
+        readable event, take the result of the statement in flight if it is in libpq's buffer
+        (no claim goes out before it is taken)."""
         self._last_poll = monotonic()
+        self._take_result()
         for channel in self.channels:
             channel.claims.more = True
         if self.queues():

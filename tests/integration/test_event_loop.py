@@ -179,3 +179,21 @@ def test_a_claim_result_that_arrives_in_many_reads_is_taken(broker_url: str,
         consumer.run_until(lambda: len(consumer.received) == 400, timeout=60)
         consumer.hub.close()
     assert sorted(m.payload[0] for m in consumer.received) == list(range(400))
+
+
+def test_the_poll_takes_a_result_whose_bytes_were_read_outside_the_loop(
+        broker_url: str, pg: psycopg.Connection) -> None:
+    """Whatever reads the socket outside the readable callback, a finished claim never waits
+    forever in libpq's buffer: the poll takes it (the loop sends no claim before it is taken)."""
+    with connect(broker_url) as conn:
+        publish(conn, "stranded", "strand")
+    with connect(broker_url, poll_interval=0.2) as conn:
+        consumer = LoopConsumer(conn, "strand", prefetch=10)
+        consumer.run_until(lambda: conn.transport.in_flight is not None)
+        listener = conn.transport.consumer.listen()
+        wait_for_bytes(listener.fileno(), 0)
+        time.sleep(0.1)  # the whole result
+        listener.pgconn.consume_input()  # into libpq's buffer: the socket is quiet again
+        consumer.run_until(lambda: len(consumer.received) == 1, timeout=10)
+        assert consumer.received[0].payload == "stranded"
+        consumer.hub.close()
