@@ -10,9 +10,8 @@ event loop (:meth:`Consumer.register`) and in ``drain_events`` (:meth:`Consumer.
 (:mod:`pgbroker._claims`).
 ``Channel`` and ``QoS`` (:mod:`pgbroker.transport`) only call it.
 
-Connections: a consuming broker connection opens three, the store's (``Transport.store``:
-publishes, acks outside the loop), the LISTEN one (:meth:`Consumer.listen`, which also carries
-the event loop's claims) and the lease's (:mod:`pgbroker._lease`, its own store).
+Connections: two per process, the shared store's (:mod:`pgbroker._shared_store`: publishes,
+acks outside the loop, the lease) and the LISTEN one, which carries the event loop's claims.
 
 What it asks of a channel: ``queues`` (the consumed ones), ``claims`` (its policy and deferred
 acks), ``qos``, ``flush_acks()`` and ``handed_over(queue, tags)``.
@@ -211,8 +210,7 @@ class Consumer:
                              "restored unacked")
 
     def hand_over(self, channel: Any, payload: dict[str, Any], queue: str) -> None:
-        """Deliver now inside the worker's event loop; on the synchronous path, keep it for
-        ``drain``."""
+        """Deliver now in the worker's event loop; on the synchronous path, keep it for drain."""
         if self._loop is not None:
             self._deliver(payload, queue)
         else:
@@ -221,8 +219,7 @@ class Consumer:
     def give_back(self, channel: Any) -> None:
         """Requeue what ``channel`` claimed but has not handed over yet (it is closing)."""
         kept = [item for item in self._ready if item[0] is not channel]
-        mine = [item[1]["properties"]["delivery_tag"] for item in self._ready
-                if item[0] is channel]
+        mine = [it[1]["properties"]["delivery_tag"] for it in self._ready if it[0] is channel]
         self._ready.clear()
         self._ready.extend(kept)
         deliveries = [d[:2] for d in map(parse_delivery_tag, mine) if d is not None and not d[2]]
@@ -230,12 +227,11 @@ class Consumer:
             self.settle_rows("requeue", deliveries, "restored unacked")
 
     def hand_over_rows(self, channel: Any, queue: str, rows: list[JobRow]) -> int:
-        """Hand claimed rows to ``channel``'s consumer of ``queue``; returns how many were handed over.
-
-        A row the consumer's own code fails on before running it (Celery raised, for a
-        protocol-2 body that is not ``[args, kwargs, embed]``, and its worker exited) goes dead
-        with the cause, alone: the rest of the batch is handed over, and no other worker is
-        crashed by a redelivery of it."""
+        """Hand claimed rows to ``channel``'s consumer of ``queue``; returns how many it took.
+        A row the consumer's own code fails on before running it (Celery raised, for a protocol-2
+        body that is not ``[args, kwargs, embed]``, and its worker exited) goes dead with the
+        cause, alone: the rest of the batch is handed over, and no other worker is crashed by a
+        redelivery of it."""
         handed = []
         for row in rows:
             payload = self.payload(row)
@@ -317,9 +313,8 @@ class Consumer:
     # -- notifications and broadcasts --------------------------------------------------------
 
     def _read_notifications(self, read: bool = True) -> int:
-        """Drain pending NOTIFYs: mark the channels consuming those queues, arm due timers,
-        deliver broadcasts. Returns the number of broadcast deliveries made. ``read=False``:
-        only those libpq has read from the socket already (see :meth:`_on_readable`)."""
+        """Drain pending NOTIFYs (``read=False``: those in libpq's buffer only): mark the channels
+        consuming those queues, arm due timers, deliver broadcasts; how many broadcasts."""
         with _db.translate_errors("reading notifications"):
             payloads = _db.notifications(self.listen(), read=read)
         delivered = 0
@@ -422,9 +417,8 @@ class Consumer:
             self.schedule_due(self.store.next_due(queues))
 
     def _poll(self) -> None:
-        """The fallback for lost notifications: claim anyway, and check due jobs; and for a lost
-        readable event, take the result of the statement in flight if it is in libpq's buffer
-        (no claim goes out before it is taken)."""
+        """The fallback for lost notifications (claim anyway, check due jobs) and readable events
+        (a finished result in libpq's buffer: no claim goes out before it is taken)."""
         self._last_poll = monotonic()
         self._take_result()
         for channel in self.channels:
@@ -509,9 +503,8 @@ class Consumer:
     def _on_readable(self) -> None:
         self._read_notifications()
         self._take_result()
-        # A NOTIFY behind a result: libpq parses it only as it takes the result. Not a read of
-        # the socket: one could take the last bytes of an unfinished result into libpq's
-        # buffer, and the socket, quiet then, would never call for that result again.
+        # a NOTIFY behind a result, parsed as the result was taken; not a read of the socket,
+        # which could take an unfinished result's last bytes and leave the socket quiet
         self._read_notifications(read=False)
         self._turn()
 
