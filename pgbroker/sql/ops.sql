@@ -214,6 +214,9 @@ WITH picked AS MATERIALIZED (
                                      OR (h.dedupe_active
                                          AND h.state IN ('pending', 'scheduled', 'running'))))
                           THEN NULL ELSE j.dedupe_key END,
+        -- a job of a paused task name waits out of the claim's way (0011_task_pause_index.sql)
+        task_paused = coalesce(j.task = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)),
+                               false),
         updated_at = now()
     FROM picked AS p
     WHERE j.id = p.id AND %(action)s::text = 'retry'

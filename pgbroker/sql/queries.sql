@@ -32,7 +32,7 @@ WITH keys AS MATERIALIZED (
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
                                message_digest, dedupe_key, dedupe_active, concurrency_key,
-                               concurrency_limit)
+                               concurrency_limit, task_paused)
     SELECT %(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
            %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s,
            CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'pending' END,
@@ -54,7 +54,10 @@ WITH keys AS MATERIALIZED (
                                         AND h.state IN ('pending', 'scheduled', 'running'))))
                 THEN NULL ELSE k.dedupe_key END,
            k.dedupe_key IS NOT NULL AND k.dedupe_active, k.concurrency_key,
-           CASE WHEN k.concurrency_key IS NOT NULL THEN coalesce(k.concurrency_limit, 1) END
+           CASE WHEN k.concurrency_key IS NOT NULL THEN coalesce(k.concurrency_limit, 1) END,
+           -- a job of a paused task name waits out of the claim's way (0011_task_pause_index.sql)
+           coalesce(%(task)s::text = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)),
+                    false)
     FROM keys AS k
     WHERE (SELECT count(*) FROM released) >= 0  -- (the release first: its slot is free then)
     ON CONFLICT DO NOTHING
@@ -100,7 +103,7 @@ WITH m AS (
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
                                message_digest, dedupe_key, dedupe_active, concurrency_key,
-                               concurrency_limit)
+                               concurrency_limit, task_paused)
     SELECT id, queue, task, task_id, retries, exchange, routing_key, body,
            content_type, content_encoding, headers, properties,
            CASE WHEN run_at > now() THEN 'scheduled' ELSE 'pending' END,
@@ -114,7 +117,9 @@ WITH m AS (
                AND coalesce((headers ->> 'dedupe_active')::boolean, false),
            headers ->> 'concurrency_key',
            CASE WHEN headers ->> 'concurrency_key' IS NOT NULL
-                THEN coalesce((headers ->> 'concurrency_limit')::int, 1) END
+                THEN coalesce((headers ->> 'concurrency_limit')::int, 1) END,
+           -- a job of a paused task name waits out of the claim's way (as in job_insert)
+           coalesce(task = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)), false)
     FROM m
     ON CONFLICT DO NOTHING
     RETURNING id, queue, run_at
@@ -142,15 +147,20 @@ WITH candidates AS MATERIALIZED (
     -- WHERE and the ORDER BY, so the cost is the batch, not the table.
     SELECT id
     FROM {schema}.jobs
-    WHERE state = 'pending' AND queue = %(queue)s
+    -- (queue, task_paused) lead jobs_claim_idx: a paused task's waiting jobs (task_paused,
+    -- 0011_task_pause_index.sql) are never walked past, however many there are
+    WHERE state = 'pending' AND queue = %(queue)s AND NOT task_paused
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
-      -- a paused task name is not claimed either. The paused names are read once per
-      -- statement (an InitPlan: task_pauses has a few rows, usually none) and tested as a
-      -- filter, so the claim stays an ordered walk of jobs_claim_idx. coalesce(): NULL (plain
-      -- kombu) is never paused, and an expression has no statistics -- on task's own, a queue
-      -- of one task name made "task <> (a name)" look like it matches nothing, and the claim
-      -- was planned as a bitmap scan and a sort of the whole backlog (as was a NOT EXISTS)
+      -- a paused task name is not claimed either. Its jobs are out of the walk (task_paused);
+      -- this filter stops the few that are not: put back pending after the pause (a rescued or
+      -- requeued delivery) or inserted by a transaction that began before it. The paused names
+      -- are read once per statement (an InitPlan: task_pauses has a few rows, usually none)
+      -- and tested as a filter, so the claim stays an ordered walk of jobs_claim_idx.
+      -- coalesce(): NULL (plain kombu) is never paused, and an expression has no statistics --
+      -- on task's own, a queue of one task name made "task <> (a name)" look like it matches
+      -- nothing, and the claim was planned as a bitmap scan and a sort of the whole backlog (as
+      -- was a NOT EXISTS)
       AND coalesce(task, '') <> ALL (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp))
       -- nor a gated one: its row in gated_queues, or '' (no queue's name: a rate limit
       -- exists). A scan of that small table (no index: see 0010_job_keys.sql), evaluated once
@@ -237,7 +247,7 @@ WITH acking AS MATERIALIZED (
     -- WHERE and the ORDER BY, so the cost is the batch, not the table.
     SELECT id, task, concurrency_key
     FROM {schema}.jobs
-    WHERE state = 'pending' AND queue = %(queue)s
+    WHERE state = 'pending' AND queue = %(queue)s AND NOT task_paused  -- (as in job_claim)
       -- a paused queue is not claimed (one primary-key probe, evaluated once per statement)
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
       -- a paused task name is not claimed either (as in job_claim)
@@ -276,7 +286,7 @@ WITH acking AS MATERIALIZED (
     -- this the jobs behind waiting keyed ones would wait too. (LIMIT 0, no scan, when no
     -- candidate was gated.)
     SELECT id FROM {schema}.jobs
-    WHERE state = 'pending' AND queue = %(queue)s AND concurrency_key IS NULL
+    WHERE state = 'pending' AND queue = %(queue)s AND NOT task_paused AND concurrency_key IS NULL
       AND NOT EXISTS (SELECT 1 FROM {schema}.queues AS p WHERE p.name = %(queue)s AND p.paused)
       AND coalesce(task, '') <> ALL (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp))
       AND (expires_at IS NULL OR expires_at > now())
@@ -502,8 +512,31 @@ WITH due AS MATERIALIZED (
 SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
 
 -- name: job_promote_all
--- The sweeper's promotion, for every queue (plain kombu consumers have no timers).
-WITH due AS MATERIALIZED (
+-- The sweeper's promotion, for every queue (plain kombu consumers have no timers). It also
+-- gives the claim back the jobs still marked task_paused whose task name is not paused any more
+-- (0011_task_pause_index.sql): a transaction that began before a resume can insert them after
+-- it. Counted with the promoted ones.
+WITH RECURSIVE marked(task) AS (
+    -- the task names of the marked jobs, one probe of jobs_task_paused_idx each (a loose index
+    -- scan: the index holds every waiting job of a paused task, and usually nothing)
+    (SELECT task FROM {schema}.jobs WHERE task_paused ORDER BY task LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.task FROM {schema}.jobs AS j
+            WHERE j.task_paused AND j.task > m.task ORDER BY j.task LIMIT 1)
+    FROM marked AS m WHERE m.task IS NOT NULL
+), stale AS MATERIALIZED (
+    SELECT id FROM {schema}.jobs
+    WHERE task_paused
+      AND task IN (SELECT m.task FROM marked AS m WHERE m.task IS NOT NULL
+                   AND NOT EXISTS (SELECT 1 FROM {schema}.task_pauses AS tp
+                                   WHERE tp.task = m.task))
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), released AS (
+    UPDATE {schema}.jobs AS j SET task_paused = false
+    FROM stale WHERE j.id = stale.id AND j.task_paused
+    RETURNING j.queue, j.state
+), due AS MATERIALIZED (
     SELECT id FROM {schema}.jobs
     WHERE state = 'scheduled' AND run_at <= coalesce(%(now)s::timestamptz, now())
     LIMIT %(limit)s
@@ -513,9 +546,12 @@ WITH due AS MATERIALIZED (
     FROM due WHERE j.id = due.id AND j.state = 'scheduled'
     RETURNING j.queue
 ), woken AS (
-    SELECT pg_notify(%(channel)s, '0 ' || queue) FROM (SELECT DISTINCT queue FROM promoted) AS q
+    SELECT pg_notify(%(channel)s, '0 ' || queue)
+    FROM (SELECT queue FROM promoted
+          UNION SELECT queue FROM released WHERE state = 'pending') AS q
 )
-SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
+SELECT (SELECT count(*) FROM promoted) + (SELECT count(*) FROM released),
+       (SELECT count(*) FROM woken);
 
 -- name: job_next_due
 -- Seconds until the earliest scheduled job of these queues is due (NULL: none). Measured by the

@@ -72,7 +72,7 @@ WITH bound AS MATERIALIZED (
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,
-                               message_digest)
+                               message_digest, task_paused)
     SELECT encode(overlay(uuid_send(%(id)s::uuid)
                           PLACING substring(uuid_send(gen_random_uuid()) FROM 9) FROM 9),
                   'hex')::uuid,
@@ -83,7 +83,10 @@ WITH bound AS MATERIALIZED (
            -- the queue's x-message-ttl, if declared, bounds the message's own expiry
            least(%(expires_at)s::timestamptz,
                  now() + make_interval(secs => bound.ttl_ms / 1000)),
-           %(idempotency_key)s, %(message_digest)s
+           %(idempotency_key)s, %(message_digest)s,
+           -- a job of a paused task name waits out of the claim's way (as in job_insert)
+           coalesce(%(task)s::text = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)),
+                    false)
     FROM bound WHERE bound.stored
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at

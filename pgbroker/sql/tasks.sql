@@ -39,6 +39,11 @@ WITH lost AS (
     FROM streaks WHERE streak >= %(pause_after)s
     ON CONFLICT (task) DO NOTHING  -- paused already
     RETURNING task, reason, job_ids
+), held AS (
+    -- its waiting jobs leave the claim's way (jobs.task_paused: 0011_task_pause_index.sql)
+    UPDATE {schema}.jobs SET task_paused = true
+    WHERE task IN (SELECT task FROM paused) AND state IN ('pending', 'scheduled')
+      AND NOT task_paused
 ), audited AS (
     -- The worker role of roles.sql.example may not write the audit table (it could forge an
     -- operator's actions): then the task_pauses row (by 'pgbroker', why, which jobs, when) is
@@ -58,6 +63,10 @@ WHERE (SELECT count(*) FROM audited) >= 0;  -- (evaluates the audit rows)
 -- An operator pauses (%(paused)s) or resumes a task name, audited in the same statement (who,
 -- why, whether it changed anything). A resume also ends the task's streak of losses, so its next
 -- lost delivery starts counting from one again. Returns the row paused or resumed, if any.
+-- The task's waiting jobs leave the claim's way on a pause and come back on a resume
+-- (jobs.task_paused: 0011_task_pause_index.sql), each with its own priority, run_at and id, so
+-- they are claimed in the order they had. Both run even when the pause or resume changes
+-- nothing: pausing again takes the stragglers out too (jobs put back pending since).
 WITH paused AS (
     INSERT INTO {schema}.task_pauses (task, paused_by, reason)
     SELECT %(task)s, %(actor)s, %(reason)s WHERE %(paused)s::boolean
@@ -67,6 +76,15 @@ WITH paused AS (
     DELETE FROM {schema}.task_pauses
     WHERE task = %(task)s AND NOT %(paused)s::boolean
     RETURNING task, reason, job_ids, paused_by, paused_at
+), held AS (
+    -- (jobs_claim_idx and jobs_scheduled_idx find them: no index by task for these states)
+    UPDATE {schema}.jobs SET task_paused = true
+    WHERE %(paused)s::boolean AND task = %(task)s AND state IN ('pending', 'scheduled')
+      AND NOT task_paused
+), released AS (
+    -- (jobs_task_paused_idx)
+    UPDATE {schema}.jobs SET task_paused = false
+    WHERE NOT %(paused)s::boolean AND task = %(task)s AND task_paused
 ), streak_ended AS (
     DELETE FROM {schema}.task_losses WHERE task = %(task)s AND NOT %(paused)s::boolean
 ), audited AS (

@@ -103,15 +103,21 @@ def bench_database(server_url: str, suffix: str) -> Iterator[str]:
     """A fresh database with pgbroker's schema (migrated), dropped afterwards; yields its URL."""
     import pgbroker
 
-    name = f"pgbroker_bench_{suffix}_{os.getpid()}"
+    with empty_database(server_url, f"pgbroker_bench_{suffix}_{os.getpid()}") as url:
+        pgbroker.migrate(url)
+        yield url
+
+
+@contextlib.contextmanager
+def empty_database(server_url: str, name: str) -> Iterator[str]:
+    """A fresh, empty database ``name`` (for a tree that migrates it itself: main's, say),
+    dropped afterwards; yields its URL."""
     drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(drop)
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = with_dbname(server_url, name)
     try:
-        pgbroker.migrate(url)
-        yield url
+        yield with_dbname(server_url, name)
     finally:
         with psycopg.connect(server_url, autocommit=True) as conn:
             conn.execute(drop)

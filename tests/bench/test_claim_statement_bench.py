@@ -16,9 +16,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
-from psycopg import sql
+
+from tests.bench.harness import empty_database
 
 pytestmark = pytest.mark.bench
 
@@ -28,19 +28,11 @@ RUN = Path(__file__).resolve().parent / "claim_statement_run.py"
 
 
 def _rate(database_url: str, tree: Path, n: int, batch: int) -> float:
-    name = f"claimbench_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        url = database_url.rsplit("/", 1)[0] + "/" + name
+    with empty_database(database_url, f"claimbench_{uuid.uuid4().hex[:10]}") as url:
         out = subprocess.run([sys.executable, str(RUN), url, str(n), str(batch)], cwd=tree,
                              env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
                              capture_output=True, text=True).stdout
         return float(out.split()[-1])
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
 
 
 def test_unkeyed_claim_statement_main_vs_branch(database_url: str,

@@ -18,6 +18,7 @@ from psycopg import sql
 
 from pgbroker._sql import queries
 from pgbroker._pq import numbered as _numbered
+from pgbroker.ops import Operations
 from tests.bench.harness import fill
 
 COMPLETED = 1_000_000
@@ -131,3 +132,30 @@ def test_claim_plan_on_statistics_that_see_an_empty_table(db_url: str,
             assert scan["Node Type"] != "Seq Scan", scan
             if scan["Node Type"] in ("Index Scan", "Index Only Scan"):
                 assert "Index Cond" in scan, f"a whole index walked: {scan}"
+
+
+def test_the_claim_reads_none_of_a_paused_tasks_backlog(db_url: str,
+                                                         pg: psycopg.Connection) -> None:
+    """A paused task name's backlog at the head of the queue (100,000 jobs, claimed first were
+    it not paused) is not read by the claim: its rows wait outside the part of jobs_claim_idx the
+    claim walks (0011_task_pause_index.sql), instead of being read and filtered out by every
+    claim for as long as the pause lasts (30 ms a claim instead of 0.9 ms:
+    tests/bench/test_paused_backlog_bench.py)."""
+    paused = {**SAMPLE, "task": "bench.paused", "headers": {"task": "bench.paused"}}
+    fill(db_url, SAMPLE, "celery", "completed", 200_000)
+    fill(db_url, paused, "celery", "pending", 100_000)
+    fill(db_url, SAMPLE, "celery", "pending", BACKLOG)
+    pg.execute("UPDATE pgbroker.jobs SET priority = 9 WHERE task = 'bench.paused'")  # the head
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert Operations(conn, actor="test", via="test").pause_task("bench.paused")
+    pg.execute("VACUUM ANALYZE pgbroker.jobs")
+
+    claim = queries("pgbroker")["job_claim"]
+    with pg.transaction(force_rollback=True):
+        plan = pg.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + claim,
+                          _params()).fetchone()[0][0]["Plan"]
+    [scan] = _candidate_scans(plan)
+    assert (scan["Actual Rows"], scan.get("Rows Removed by Filter", 0)) == (10, 0), scan
+    for plan in (_custom_plan(pg, claim), _generic_plan(pg, claim)):
+        _assert_uses_claim_index(plan)
+        assert all("task_paused" in s["Index Cond"] for s in _candidate_scans(plan))
