@@ -194,3 +194,22 @@ def test_bad_keys_are_refused_at_publish_and_nothing_is_written(
     with pytest.raises(MessageError, match=error.replace("(", r"\(")):
         app.tasks["t.sync"].apply_async((1,), headers=headers)
     assert jobs(pg) == []
+
+
+def test_a_retry_written_in_a_batch_takes_the_slot_over_as_a_single_insert_does(
+        app: Celery, db_url: str, pg: psycopg.Connection, store: Store) -> None:
+    """A Celery retry (the same task id, retries + 1) published inside pgbroker.transaction()
+    goes out in job_insert_many's batch; it takes its running copy's slot over, as job_insert's
+    does (the trigger jobs_dedupe_handover does it for every insert), rather than being dropped
+    as a duplicate of the copy it continues."""
+    sync = app.tasks["t.sync"]
+    headers = {"dedupe_key": "s", "dedupe_active": True}
+    with psycopg.connect(db_url) as conn:
+        first = sync.apply_async((1,), headers=headers)
+        [claimed] = claim_all(store)  # running, holding the slot
+        with pgbroker.transaction(conn):
+            sync.apply_async((1,), headers=headers, task_id=first.id, retries=1, countdown=60)
+            sync.apply_async((2,), headers=headers)  # a new request: a duplicate of the retry
+        conn.commit()
+    rows = {(r["task_id"], r["retries"]): (r["state"], r["dedupe_key"]) for r in jobs(pg)}
+    assert rows == {(first.id, 0): ("running", None), (first.id, 1): ("scheduled", "s")}
