@@ -363,6 +363,11 @@ def test_no_producer_can_change_a_dedupe_key_and_dedupe_still_works_for_both_rol
     producer_url, worker_url = split_roles(roles, keys_app.RUNS_DDL, "key_runs",
                                            "SELECT, INSERT, UPDATE")
     urls = {"producer": producer_url, "worker": worker_url}
+    with psycopg.connect(producer_url, autocommit=True) as conn:
+        for statement in ("UPDATE pgbroker.jobs SET dedupe_key = NULL",
+                          "UPDATE pgbroker.jobs SET dedupe_key = 'x' WHERE false"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
     options = {"auto_migrate": False}
     worker = run_worker("tests.e2e.keys_app", "pgbroker+" + urls["worker"], env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
@@ -416,12 +421,6 @@ def test_no_producer_can_change_a_dedupe_key_and_dedupe_still_works_for_both_rol
         drop_pools(keys_app.app)
         worker.stop()
         admin.close()
-
-    with psycopg.connect(urls["producer"], autocommit=True) as conn:
-        for statement in ("UPDATE pgbroker.jobs SET dedupe_key = NULL",
-                          "UPDATE pgbroker.jobs SET dedupe_key = 'x' WHERE false"):
-            with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                conn.execute(statement)
 
 
 def test_the_app_role_connects_with_auto_migrate_on_to_an_up_to_date_schema(
