@@ -18,15 +18,6 @@ WITH keys AS MATERIALIZED (
            coalesce((%(headers)s::jsonb ->> 'dedupe_active')::boolean, false) AS dedupe_active,
            %(headers)s::jsonb ->> 'concurrency_key' AS concurrency_key,
            (%(headers)s::jsonb ->> 'concurrency_limit')::int AS concurrency_limit
-), released AS (
-    -- A Celery retry (retries > 0, the same task id) continues its job: it takes the dedupe
-    -- slot over from its own copy, which with dedupe_active still holds it while it runs.
-    UPDATE {schema}.jobs AS j SET dedupe_key = NULL
-    FROM keys AS k
-    WHERE %(retries)s::int > 0 AND k.dedupe_key IS NOT NULL AND k.dedupe_active
-      AND j.task = %(task)s AND j.dedupe_key = k.dedupe_key AND j.task_id = %(task_id)s
-      AND j.dedupe_active AND j.state IN ('pending', 'scheduled', 'running')
-    RETURNING j.id
 ), inserted AS (
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
@@ -43,23 +34,14 @@ WITH keys AS MATERIALIZED (
                                                       / 1000)
                   FROM {schema}.queues AS q WHERE q.name = %(queue)s)),
            %(idempotency_key)s, %(message_digest)s,
-           -- A retry is never dropped as a duplicate: when another copy holds the slot (one
-           -- queued while this job ran), it is queued without the slot.
-           CASE WHEN k.dedupe_key IS NULL OR %(retries)s::int = 0 THEN k.dedupe_key
-                WHEN EXISTS (SELECT 1 FROM {schema}.jobs AS h
-                             WHERE h.task = %(task)s AND h.dedupe_key = k.dedupe_key
-                               AND h.task_id IS DISTINCT FROM %(task_id)s
-                               AND ((h.state IN ('pending', 'scheduled') AND h.attempts = 0)
-                                    OR (h.dedupe_active
-                                        AND h.state IN ('pending', 'scheduled', 'running'))))
-                THEN NULL ELSE k.dedupe_key END,
-           k.dedupe_key IS NOT NULL AND k.dedupe_active, k.concurrency_key,
+           -- (a Celery retry takes the slot over from its own copy, or is queued without it
+           -- when another copy holds it: the trigger jobs_dedupe_handover, 0012)
+           k.dedupe_key, k.dedupe_key IS NOT NULL AND k.dedupe_active, k.concurrency_key,
            CASE WHEN k.concurrency_key IS NOT NULL THEN coalesce(k.concurrency_limit, 1) END,
            -- a job of a paused task name waits out of the claim's way (0011_task_pause_index.sql)
            coalesce(%(task)s::text = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)),
                     false)
     FROM keys AS k
-    WHERE (SELECT count(*) FROM released) >= 0  -- (the release first: its slot is free then)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at
 )
@@ -98,7 +80,7 @@ WITH m AS (
               content_encoding, headers, properties, priority, max_attempts, run_at,
               expires_at, idempotency_key, message_digest)
 ), inserted AS (
-    -- (the job keys as in job_insert; a batch holds new messages, not Celery retries)
+    -- (the job keys as in job_insert, a retry's hand-over included)
     INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                                content_type, content_encoding, headers, properties, state,
                                priority, max_attempts, run_at, expires_at, idempotency_key,

@@ -8,6 +8,7 @@ while one runs either. The claims, acks and requeues here are the real statement
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import uuid6
 from celery import Celery
 
 import pgbroker
@@ -194,3 +196,43 @@ def test_bad_keys_are_refused_at_publish_and_nothing_is_written(
     with pytest.raises(MessageError, match=error.replace("(", r"\(")):
         app.tasks["t.sync"].apply_async((1,), headers=headers)
     assert jobs(pg) == []
+
+
+def test_a_retry_written_in_a_batch_takes_the_slot_over_as_a_single_insert_does(
+        app: Celery, db_url: str, pg: psycopg.Connection, store: Store) -> None:
+    """A Celery retry (the same task id, retries + 1) published inside pgbroker.transaction()
+    goes out in job_insert_many's batch; it takes its running copy's slot over, as job_insert's
+    does (the trigger jobs_dedupe_handover does it for every insert), rather than being dropped
+    as a duplicate of the copy it continues."""
+    sync = app.tasks["t.sync"]
+    headers = {"dedupe_key": "s", "dedupe_active": True}
+    with psycopg.connect(db_url) as conn:
+        first = sync.apply_async((1,), headers=headers)
+        [claimed] = claim_all(store)  # running, holding the slot
+        with pgbroker.transaction(conn):
+            sync.apply_async((1,), headers=headers, task_id=first.id, retries=1, countdown=60)
+            sync.apply_async((2,), headers=headers)  # a new request: a duplicate of the retry
+        conn.commit()
+    rows = {(r["task_id"], r["retries"]): (r["state"], r["dedupe_key"]) for r in jobs(pg)}
+    assert rows == {(first.id, 0): ("running", None), (first.id, 1): ("scheduled", "s")}
+
+
+def test_a_retry_published_twice_keeps_the_slot(app: Celery, db_url: str, pg: psycopg.Connection,
+                                                store: Store) -> None:
+    """A producer's own re-publish of a retry (kombu's ensure running the publish again: the
+    same message) is a duplicate of it; it takes nothing from it, since only a copy with fewer
+    retries gives its key up. Before, the re-publish cleared the retry's key and was then
+    dropped: nobody held the slot, and a new request was queued beside the retry."""
+    headers = {"dedupe_key": "s", "dedupe_active": True}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        first = pgbroker.enqueue(conn, "t.sync", (1,), app=app, **headers)
+        [claimed] = claim_all(store)
+        [task_id] = pg.execute("SELECT task_id FROM pgbroker.jobs").fetchone()
+        retry = NewJob(id=uuid6.uuid7(), queue="celery", body=b"[[1], {}, {}]",
+                       content_type="application/json", content_encoding="utf-8",
+                       headers={"task": "t.sync", "id": task_id, "retries": 1, **headers},
+                       properties={}, task="t.sync", task_id=task_id, retries=1)
+        store.insert(retry)
+        store.insert(dataclasses.replace(retry, id=uuid6.uuid7()))  # the same message again
+        assert pgbroker.enqueue(conn, "t.sync", (2,), app=app, **headers) == retry.id
+    assert [(r["id"], r["dedupe_key"]) for r in jobs(pg)] == [(first, None), (retry.id, "s")]

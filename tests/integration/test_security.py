@@ -38,6 +38,7 @@ import pgbroker
 from pgbroker.migrate import MIGRATIONS, migrate
 from tests.support.databases import create_database, drop_database
 from tests.e2e import app as e2e
+from tests.e2e import keys_app
 from tests.e2e.support import job, start_worker, wait_state
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import REPO_ROOT, run_worker, wait_for
@@ -282,21 +283,30 @@ def test_least_privilege_roles_run_a_worker_and_a_producer_without_ddl(
     assert migrate(app_url) == []
 
 
+def split_roles(roles: dict[str, str], runs_ddl: str, runs: str, privileges: str
+                ) -> tuple[str, str]:
+    """Steps 2 and 3 of roles.sql.example with the producer and worker roles, and the test
+    application's table ``public.<runs>`` (made by ``runs_ddl``) granted to the worker role as
+    an application grants its own; returns the producer's and the worker's URLs."""
+    migrate(as_role(roles["url"], roles["migration_role"]))
+    run_roles_sql(roles["psql"], roles["url"], {k: roles[k] for k in NAMES}, after=True)
+    with psycopg.connect(roles["url"], autocommit=True) as admin:
+        admin.execute(runs_ddl)
+        admin.execute(sql.SQL("GRANT {privileges} ON {table} TO {role};"
+                              " GRANT USAGE ON SEQUENCE {sequence} TO {role}").format(
+            privileges=sql.SQL(privileges), table=sql.Identifier("public", runs),
+            sequence=sql.Identifier("public", runs + "_n_seq"),
+            role=sql.Identifier(roles["worker_role"])))
+    return (as_role(roles["url"], roles["producer_role"]),
+            as_role(roles["url"], roles["worker_role"]))
+
+
 def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
         roles: dict[str, str]) -> None:
     """The split roles of roles.sql.example: a producer (web processes) that publishes with
     .delay() and pgbroker.enqueue (an idempotency key's duplicate included), and a worker role
     that runs the jobs; neither may act as an operator."""
-    owner_url = as_role(roles["url"], roles["migration_role"])
-    producer_url = as_role(roles["url"], roles["producer_role"])
-    worker_url = as_role(roles["url"], roles["worker_role"])
-    migrate(owner_url)
-    run_roles_sql(roles["psql"], roles["url"], {k: roles[k] for k in NAMES}, after=True)
-    with psycopg.connect(roles["url"], autocommit=True) as admin:
-        admin.execute(e2e.RUNS_DDL)
-        admin.execute(sql.SQL("GRANT SELECT, INSERT ON public.runs TO {0};"
-                              " GRANT USAGE ON SEQUENCE public.runs_n_seq TO {0}").format(
-            sql.Identifier(roles["worker_role"])))
+    producer_url, worker_url = split_roles(roles, e2e.RUNS_DDL, "runs", "SELECT, INSERT")
     options = {"auto_migrate": False}
     worker = run_worker("tests.e2e.app", "pgbroker+" + worker_url, env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
@@ -339,6 +349,78 @@ def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
             for statement in statements:
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
                     conn.execute(statement)
+
+
+def test_no_producer_can_change_a_dedupe_key_and_dedupe_still_works_for_both_roles(
+        roles: dict[str, str]) -> None:
+    """A dedupe key is handed to a Celery retry by the insert itself (the trigger of
+    0012_dedupe_handover.sql, as the schema's owner), so the producer role needs, and has, no
+    UPDATE on jobs: it cannot clear any job's dedupe key (which would let a second copy of a
+    deduplicated task run). As the producer and as the worker role: .delay() and enqueue with
+    dedupe keys (a duplicate returns the queued copy), and a retry (the same task id,
+    retries + 1) takes its running copy's slot over; a real Celery retry, published by a worker
+    of the worker role, does too."""
+    producer_url, worker_url = split_roles(roles, keys_app.RUNS_DDL, "key_runs",
+                                           "SELECT, INSERT, UPDATE")
+    urls = {"producer": producer_url, "worker": worker_url}
+    with psycopg.connect(producer_url, autocommit=True) as conn:
+        for statement in ("UPDATE pgbroker.jobs SET dedupe_key = NULL",
+                          "UPDATE pgbroker.jobs SET dedupe_key = 'x' WHERE false"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+    options = {"auto_migrate": False}
+    worker = run_worker("tests.e2e.keys_app", "pgbroker+" + urls["worker"], env={
+        "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
+    admin = psycopg.connect(roles["url"], autocommit=True)
+
+    def holders(key: str) -> list[tuple[str, int, str]]:
+        return admin.execute("SELECT task_id, retries, state FROM pgbroker.jobs"
+                             " WHERE dedupe_key = %s ORDER BY id", (key,)).fetchall()
+
+    try:
+        for role, url in urls.items():
+            point_producer(keys_app.app, "pgbroker+" + url, options)
+            assert keys_app.plain.delay(f"{role}-plain").id  # no key at all
+            with psycopg.connect(url) as conn:  # enqueue, in the role's own transaction
+                first = pgbroker.enqueue(conn, keys_app.sync, (f"{role}-a", 0.0),
+                                         dedupe_key=f"{role}:k")
+                again = pgbroker.enqueue(conn, keys_app.sync, (f"{role}-b", 0.0),
+                                         dedupe_key=f"{role}:k")
+                conn.commit()
+            assert first == again
+            # a copy that runs 3 s holding its slot (dedupe_active) ...
+            headers = {"dedupe_key": f"{role}:active", "dedupe_active": True}
+            running = keys_app.sync.apply_async((f"{role}-long", 3.0), headers=headers)
+            wait_for(lambda r=running: holders(f"{role}:active") == [(r.id, 0, "running")], 30,
+                     message=lambda: f"the long copy to run ({holders(f'{role}:active')})")
+            # ... a new request is a duplicate of it ...
+            keys_app.sync.apply_async((f"{role}-dropped", 0.0), headers=headers)
+            # ... and its retry (the same task id, retries + 1) takes the slot over
+            keys_app.sync.apply_async((f"{role}-retry", 0.0), headers=headers,
+                                      task_id=running.id, retries=1, countdown=30)
+            assert holders(f"{role}:active") == [(running.id, 1, "scheduled")]
+            admin.execute("UPDATE pgbroker.jobs SET state = 'cancelled'"
+                          " WHERE task_id = %s AND retries = 1", (running.id,))
+        drop_pools(keys_app.app)
+        # a real Celery retry, published by the worker role's worker: it takes the slot over
+        point_producer(keys_app.app, "pgbroker+" + urls["producer"], options)
+        headers = {"dedupe_key": "pay:9", "dedupe_active": True}
+        flaky = keys_app.flaky.apply_async(("r", 1, 0.5), headers=headers)
+        wait_for(lambda: holders("pay:9") == [(flaky.id, 1, "scheduled")], 30,
+                 message=lambda: f"the retry to hold the slot ({holders('pay:9')})")
+        keys_app.flaky.apply_async(("dup", 0, 0.0), headers=headers)  # its duplicate
+        wait_for(lambda: admin.execute(
+            "SELECT count(*) FROM pgbroker.jobs WHERE task = 'keys.flaky'"
+            " AND state = 'completed'").fetchone()[0] == 2, 30, message="the retry to run")
+        runs = admin.execute("SELECT arg, retries FROM public.key_runs WHERE task = 'flaky'"
+                             " ORDER BY n").fetchall()
+        assert runs == [("r", 0), ("r", 1)]
+        ran = {r[0] for r in admin.execute("SELECT arg FROM public.key_runs")}
+        assert not {a for a in ran if a.endswith(("-b", "-dropped"))}, ran
+    finally:
+        drop_pools(keys_app.app)
+        worker.stop()
+        admin.close()
 
 
 def test_the_app_role_connects_with_auto_migrate_on_to_an_up_to_date_schema(

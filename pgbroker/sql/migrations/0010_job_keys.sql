@@ -1,4 +1,4 @@
--- 0009 job keys: dedupe while queued, concurrency keys, cluster-wide rate limits (issue 22).
+-- 0010 job keys: dedupe while queued, concurrency keys, cluster-wide rate limits (issue 22).
 --
 -- 1. jobs.dedupe_key / dedupe_active: at most one copy of a (task, dedupe key) holds the key's
 --    slot -- one not started yet (pending or scheduled, attempts = 0), or, with dedupe_active,
