@@ -20,7 +20,9 @@ ways), the primary is then stopped so it cannot come back, and the standby is pr
 * every publish that returned runs (0 lost: the standby was synchronous);
 * every ``apply_async`` call returns or raises within a bound set by those timers;
 * the worker runs tasks claimed on the new primary within a bound set by the same timers: the
-  seconds from the black hole to the first such task are printed (``pytest -s``).
+  seconds from the black hole to the first such task are printed (``pytest -s``);
+* once a connection found the new primary, the process's next connections go there first and
+  never wait out ``connect_timeout`` on the dark address again (pgbroker._db).
 
 With pgbroker's own defaults (30 s tcp_user_timeout, 10 s connect_timeout) the scenario takes
 over a minute: ``-m slow``; the default tier lowers the timers in the URL and the transport
@@ -254,6 +256,59 @@ def _black_hole_failover(site: Site, timers: Timers, monkeypatch: pytest.MonkeyP
         f"longest apply_async "
         f"{longest['end'] - longest['start']:.1f}s (bound {per_call:.0f}s); {len(errors)} "
         f"publish error(s) reached the producer (sent again); {len(twice)} task(s) ran twice"))
+
+
+#: Run on the host: two connections over the URL in argv[1], one after the other (the second
+#: when a line comes on stdin); prints the server each reached, and how long it took.
+_CONNECT_TWICE = """
+import json, sys, time
+from pgbroker import _db
+for n in range(2):
+    if n:
+        sys.stdin.readline()
+    started = time.monotonic()
+    conn = _db.connect(sys.argv[1], connect_timeout=float(sys.argv[2]))
+    print(json.dumps([conn.info.host, time.monotonic() - started]), flush=True)
+    conn.close()
+"""
+
+
+def test_after_a_failover_only_the_first_connection_waits_for_the_dark_address(
+        site: Site) -> None:
+    """A worker that lost the old primary opens several connections again (its store, its
+    LISTEN connection, each of Celery's reconnects): each one that tries the dark address first
+    waits out ``connect_timeout`` there -- 10 s by default, three times in a row in the
+    scenario below. Once one of them found the writable server, the process tries that one
+    first (as pgjdbc's host status tracker does): the next never touches the dark address."""
+    host, made = site.host, site.cluster
+    host.black_hole(host.gateway)
+    made.fail_over(detection=0)
+    timeout = 2
+    run = subprocess.Popen(
+        host.enter() + [sys.executable, "-c", _CONNECT_TWICE,
+                        site.remote + "?target_session_attrs=read-write", str(timeout)],
+        cwd=helpers.REPO_ROOT, env=helpers._env(site.broker_url(), {}), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert run.stdout is not None and run.stdin is not None
+        first = json.loads(run.stdout.readline() or "null")
+        tried = host.dropped(host.gateway)
+        run.stdin.write("\n")
+        run.stdin.flush()
+        second = json.loads(run.stdout.readline() or "null")
+        again = host.dropped(host.gateway) - tried
+        assert run.wait(30) == 0, run.stderr.read() if run.stderr else ""
+    finally:
+        if run.poll() is None:
+            run.kill()
+    standby = host.gateways[1]
+    assert first is not None and first[0] == standby and first[1] >= timeout * 0.9, first
+    assert tried > 0  # the first connection knocked at the dark address (and waited)
+    assert second is not None and second[0] == standby, second
+    assert again == 0, f"the second connection sent {again} packet(s) to the dark address"
+    print(f"\n[figure] after a failover to a black-holed primary: the first connection took "
+          f"{first[1]:.2f}s (connect_timeout {timeout}s on the dark address), the second "
+          f"{second[1]:.3f}s")
 
 
 def test_blackholed_primary_with_short_timers(site: Site, monkeypatch: pytest.MonkeyPatch
