@@ -210,7 +210,8 @@ def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 
             "read-only (a standby in recovery, or default_transaction_read_only); pgbroker "
             "writes: name the primary, or every server with target_session_attrs=read-write")
     if given.get("target_session_attrs") in _ONE_ROLE and "," in str(given.get("host", "")):
-        _last_good[url] = (conn.info.host, str(conn.info.port))  # see _last_good_first
+        _last_good[url] = server = (conn.info.host, str(conn.info.port))  # _last_good_first
+        conn._pgbroker_writer = (url, server)  # type: ignore[attr-defined] # see superseded
     conn.execute("SET TIME ZONE 'UTC'")
     if not autocommit:
         conn.commit()
@@ -251,6 +252,24 @@ def _last_good_first(url: str, given: dict[str, Any]) -> dict[str, str]:
         return {}
     order = [at] + [i for i in range(len(hosts)) if i != at]
     return {name: ",".join(items[i] for i in order) for name, items in lists.items()}
+
+
+def superseded(conn: psycopg.Connection[Any] | None) -> bool:
+    """A later connection of this process over ``conn``'s multi-host URL (one that asks for the
+    writable server) found it on another server than ``conn``'s: ``conn`` is on the old primary
+    (a failover), whose address may have gone dark, so that its own TCP timers would take
+    ``tcp_user_timeout`` -- on an idle connection, the keepalives -- to give it up. Its users
+    drop it before they send anything more. False for any other connection."""
+    writer = getattr(conn, "_pgbroker_writer", None)
+    return writer is not None and _last_good.get(writer[0]) != writer[1]
+
+
+def ensure_current(conn: psycopg.Connection[Any] | None, what: str) -> None:
+    """Raise :class:`DatabaseUnavailable` (a lost connection: Celery and kombu connect again)
+    when ``conn`` is :func:`superseded`."""
+    if superseded(conn):
+        raise DatabaseUnavailable(f"{what} is on the old primary: another connection found the "
+                                  "writable server elsewhere (a failover)")
 
 
 def read_only(conn: psycopg.Connection[Any]) -> bool:

@@ -45,11 +45,13 @@ import psycopg
 import pytest
 
 from tests.chaos.hosts import Host, hosts, needs_iptables
+from tests.chaos.app import sturdy_touch
 from tests.chaos.load import CHAOS_TASKS, PUBLISH_RETRY, wait_all_completed
 from tests.chaos.replication import Cluster, cluster
 from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE
+from tests.e2e.support import SHORT_LEASE, wait_state
 from tests.support import processes as helpers
+from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import wait_for
 
 pytestmark = needs_iptables
@@ -309,6 +311,52 @@ def test_after_a_failover_only_the_first_connection_waits_for_the_dark_address(
     print(f"\n[figure] after a failover to a black-holed primary: the first connection took "
           f"{first[1]:.2f}s (connect_timeout {timeout}s on the dark address), the second "
           f"{second[1]:.3f}s")
+
+
+def test_an_idle_worker_follows_its_shared_connection_to_the_new_primary(
+        site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle worker (nothing running, no claim in flight, its poll far off) has nothing in
+    flight on its LISTEN connection when the primary goes dark: the kernel can only give that
+    connection up after the keepalives (10 s + 5 s by default), however short
+    ``tcp_user_timeout`` is. The lease's heartbeats, every ``heartbeat_interval`` on the
+    process's shared connection, notice within ``tcp_user_timeout`` and connect that one to the
+    new primary; the LISTEN connection, on another server now, must follow at once, not wait
+    for its own timers."""
+    host, made = site.host, site.cluster
+    timers = Timers(tcp_user_timeout=2, connect_timeout=2)  # the keepalives: pgbroker's
+    monkeypatch.setenv("PGBROKER_TEST_RUNS_URL", site.remote + "?" + timers.task_query())
+    worker = host.start_worker(site.broker_url() + "?" + timers.query(), *CHAOS_TASKS,
+                               "-c", "2", options={**timers.options(), "poll_interval": 60})
+    point_producer(e2e.app, "pgbroker+" + site.url)  # from this machine, outside the hole
+    try:
+        sturdy_touch.apply_async(("idle-before",), task_id="idle-before")
+        with psycopg.connect(site.url, autocommit=True) as pg:
+            wait_state(pg, "idle-before", "completed")
+        time.sleep(1)  # idle: the claim after that task's ack has come back
+        host.black_hole(host.gateway)
+        holed = time.time()
+        made.fail_over(detection=DETECTION)
+        drop_pools(e2e.app)  # (its connection was to the old primary)
+        sturdy_touch.apply_async(("idle-after",), task_id="idle-after")
+        with psycopg.connect(site.url, autocommit=True) as pg:
+            wait_state(pg, "idle-after", "completed", timeout=60)
+            claimed = pg.execute("SELECT locked_at FROM pgbroker.jobs WHERE task_id = %s",
+                                 ("idle-after",)).fetchone()[0]
+    finally:
+        drop_pools(e2e.app)
+    resumed = claimed.timestamp() - holed
+    # the next heartbeat goes into the hole and is given up after tcp_user_timeout; the lease
+    # connects again (the dark address first); Celery connects the consumer again at once
+    # (its first retry 2 s later if that meets the standby before its promotion); 2 s slack
+    heartbeat = float(SHORT_LEASE["heartbeat_interval"])
+    bound = heartbeat + float(timers.tcp_user_timeout or 0) + timers.connect() + 2 + 2
+    assert resumed <= bound, (
+        f"the idle worker claimed on the new primary {resumed:.1f}s after the black hole "
+        f"(bound {bound:.0f}s: its LISTEN connection waited for its keepalives?)")
+    assert worker.is_alive()
+    print(f"\n[figure] black-holed primary, idle worker (tcp_user_timeout "
+          f"{timers.tcp_user_timeout}s, keepalives pgbroker's): first claim on the new "
+          f"primary {resumed:.1f}s after the black hole (bound {bound:.0f}s)")
 
 
 def test_blackholed_primary_with_short_timers(site: Site, monkeypatch: pytest.MonkeyPatch

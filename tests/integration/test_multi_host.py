@@ -1,5 +1,6 @@
 """Connections over a multi-host URL with ``target_session_attrs=read-write``: the server that
-took a process's last connection is tried first by the next (``pgbroker._db.connect``). The
+took a process's last connection is tried first by the next (``pgbroker._db.connect``), and a
+connection left on another server is given up (``_db.superseded``). The
 scenario it is for, an old primary whose address went dark, is
 tests/chaos/test_blackholed_primary.py; here a real server and a closed port stand for the
 promoted primary and the old one.
@@ -11,6 +12,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from pgbroker import _db
+from pgbroker._store import Store
+from pgbroker.settings import Settings
 from tests.support.db import free_port
 
 
@@ -29,3 +32,27 @@ def test_the_next_connection_goes_to_the_server_that_took_the_last_one(
         "host": f"{host},127.0.0.1", "port": f"{port},{closed}"}
     with _db.connect(url) as conn:
         assert str(conn.info.port) == port
+
+
+def test_a_store_left_on_the_old_primary_connects_again_before_its_next_statement(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another connection of the process found the writable server elsewhere (here: the same
+    server under another name, as a failover's new primary would be): the store's connection
+    is superseded, and its next statement goes to that server rather than into what may be a
+    dark address (tests/chaos/test_blackholed_primary.py)."""
+    given = conninfo_to_dict(db_url)
+    port = str(given.get("port") or 5432)
+    url = (f"postgresql://{given.get('user', 'postgres')}@/{given['dbname']}"
+           f"?host=127.0.0.1,localhost&port={port}&target_session_attrs=read-write")
+    monkeypatch.setattr(_db, "_last_good", {})
+    store = Store(url, Settings())
+    try:
+        old = store.connect()
+        assert old.info.host == "127.0.0.1" and not _db.superseded(old)
+        _db._last_good[url] = ("localhost", port)  # what that other connection recorded
+        assert _db.superseded(old)
+        assert store.queue_size("celery") == 0
+        assert old.closed and store.conn.info.host == "localhost"
+        assert not _db.superseded(store.conn)
+    finally:
+        store.close()
