@@ -5,8 +5,9 @@ TCP keepalives so that a dead peer is noticed, the session time zone pinned to U
 process id recorded: a connection inherited through ``fork()`` is never used or closed by the
 child (closing it would end the parent's session). Over a multi-host URL that asks for the
 writable server, the server that took the process's last connection is tried first
-(:func:`_last_good_first`). A kombu connection's fields become a libpq
-conninfo in :func:`kombu_conninfo`. (A connection to a migrated schema: ``migrate.connect_ready``.)
+(:func:`_last_good_first`), and a connection left on another one is :func:`superseded`. A kombu
+connection's fields become a libpq conninfo in :func:`kombu_conninfo`. (A connection to a
+migrated schema: ``migrate.connect_ready``.)
 """
 
 from __future__ import annotations
