@@ -91,10 +91,9 @@ class Consumer:
 
     @property
     def lease(self) -> Lease:
-        """The consumer's registration and heartbeats (its own connection), made when first
-        asked for: a producer never registers."""
-        if self._lease is None:
-            self._lease = Lease(self.store, self.queues)
+        """The consumer's registration and heartbeats, made when first asked (not by producers)."""
+        if self._lease is None:  # (its store's reconnect: a turn checks the LISTEN connection)
+            self._lease = Lease(self.store, self.queues, self.request_turn)
         return self._lease
 
     @property
@@ -522,6 +521,7 @@ class Consumer:
         """One turn of the event loop: send a claim (with the deferred acks) for a channel that
         may find something, or else the acks alone; never wait for it. With a statement in
         flight, its result starts the next turn."""
+        _db.ensure_current(self._listener, "the LISTEN connection")  # (after a failover)
         self._refresh_due()
         line = self.line
         if line is None or line.busy:

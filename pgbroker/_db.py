@@ -3,8 +3,11 @@
 Every connection is opened here (:func:`connect`; :func:`listen` for a LISTEN connection), with
 TCP keepalives so that a dead peer is noticed, the session time zone pinned to UTC, and the
 process id recorded: a connection inherited through ``fork()`` is never used or closed by the
-child (closing it would end the parent's session). A kombu connection's fields become a libpq
-conninfo in :func:`kombu_conninfo`. (A connection to a migrated schema: ``migrate.connect_ready``.)
+child (closing it would end the parent's session). Over a multi-host URL that asks for the
+writable server, the server that took the process's last connection is tried first
+(:func:`_last_good_first`), and a connection left on another one is :func:`superseded`. A kombu
+connection's fields become a libpq conninfo in :func:`kombu_conninfo`. (A connection to a
+migrated schema: ``migrate.connect_ready``.)
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ _KEEPALIVES = {
     # seconds instead of the kernel's ~15 minutes of retransmissions.
     "tcp_user_timeout": 30000,
 }
+
+
+#: Over a multi-host conninfo asking for one role (target_session_attrs): the (host, port) that
+#: took this process's last connection, by the conninfo as given.
+_last_good: dict[str, tuple[str, str]] = {}
+
+_ONE_ROLE = frozenset({"read-write", "primary"})
 
 
 def libpq_url(url: str) -> str:
@@ -185,6 +195,7 @@ def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 
     # Defaults only: keepalives, timeouts or a name set in the URL win.
     params = {k: v for k, v in connect_kwargs(application_name, connect_timeout).items()
               if k not in given}
+    params.update(_last_good_first(url, given))
     params.update(kwargs)
     try:
         conn = psycopg.connect(url, autocommit=autocommit, **params)
@@ -199,11 +210,67 @@ def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 
             f"cannot use PostgreSQL at {mask_password(libpq_url(conninfo))}: the server is "
             "read-only (a standby in recovery, or default_transaction_read_only); pgbroker "
             "writes: name the primary, or every server with target_session_attrs=read-write")
+    if given.get("target_session_attrs") in _ONE_ROLE and "," in str(given.get("host", "")):
+        _last_good[url] = server = (conn.info.host, str(conn.info.port))  # _last_good_first
+        conn._pgbroker_writer = (url, server)  # type: ignore[attr-defined] # see superseded
     conn.execute("SET TIME ZONE 'UTC'")
     if not autocommit:
         conn.commit()
     conn._pgbroker_pid = os.getpid()  # type: ignore[attr-defined]
     return conn
+
+
+def _last_good_first(url: str, given: dict[str, Any]) -> dict[str, str]:
+    """``host``, ``port`` (and ``hostaddr``) of a multi-host ``url`` reordered so that the server
+    that took this process's last connection over it comes first; {} to keep libpq's order.
+
+    libpq tries the hosts in the order given, each until ``connect_timeout``. After a failover
+    whose old primary's address went dark (packets dropped: a cloud failover, a moved VIP, a
+    zone outage), every new connection would wait out ``connect_timeout`` on it before the
+    promoted server -- and a worker opens several in a row (its store, its LISTEN connection,
+    every reconnect). Only where the URL asks for one role (``target_session_attrs`` =
+    ``read-write`` or ``primary``), where the server that had it last is the likeliest to have
+    it still, and a wrong guess costs one refused attempt; not with ``load_balance_hosts`` =
+    ``random``, nor where the hosts may be a preference order (any other role). pgjdbc's
+    ``MultiHostChooser`` likewise tries first the hosts its ``GlobalHostStatusTracker`` last
+    saw in the ``targetServerType`` asked for."""
+    good = _last_good.get(url)
+    hosts = str(given.get("host", "")).split(",")
+    if (good is None or len(hosts) < 2 or given.get("load_balance_hosts") == "random"
+            or given.get("target_session_attrs") not in _ONE_ROLE):
+        return {}
+    lists = {"host": hosts}
+    for name in ("port", "hostaddr"):
+        if given.get(name):
+            items = str(given[name]).split(",")
+            lists[name] = items * len(hosts) if name == "port" and len(items) == 1 else items
+    if any(len(items) != len(hosts) for items in lists.values()):
+        return {}  # libpq refuses these lists itself, saying why
+    ports = lists.get("port")  # (none given: libpq's one default for all, so the host alone)
+    at = next((i for i, host in enumerate(hosts)
+               if host == good[0] and (ports is None or ports[i] == good[1])), 0)
+    if at == 0:
+        return {}
+    order = [at] + [i for i in range(len(hosts)) if i != at]
+    return {name: ",".join(items[i] for i in order) for name, items in lists.items()}
+
+
+def superseded(conn: psycopg.Connection[Any] | None) -> bool:
+    """A later connection of this process over ``conn``'s multi-host URL (one that asks for the
+    writable server) found it on another server than ``conn``'s: ``conn`` is on the old primary
+    (a failover), whose address may have gone dark, so that its own TCP timers would take
+    ``tcp_user_timeout`` -- on an idle connection, the keepalives -- to give it up. Its users
+    drop it before they send anything more. False for any other connection."""
+    writer = getattr(conn, "_pgbroker_writer", None)
+    return writer is not None and _last_good.get(writer[0]) != writer[1]
+
+
+def ensure_current(conn: psycopg.Connection[Any] | None, what: str) -> None:
+    """Raise :class:`DatabaseUnavailable` (a lost connection: Celery and kombu connect again)
+    when ``conn`` is :func:`superseded`."""
+    if superseded(conn):
+        raise DatabaseUnavailable(f"{what} is on the old primary: another connection found the "
+                                  "writable server elsewhere (a failover)")
 
 
 def read_only(conn: psycopg.Connection[Any]) -> bool:

@@ -6,7 +6,9 @@ heartbeats every ``heartbeat_interval`` and sweeps every ``sweep_interval``, ove
 shared store (:func:`pgbroker._shared_store.acquire`; never the event loop's LISTEN connection): a
 blocked event loop (a solo pool running a long task) does not stop the heartbeats, and a stopped
 process (SIGSTOP) or a dead host does. The lock lives on that shared connection: when anyone
-reconnects it, the lease takes its lock again on the new session before it is used.
+reconnects it, the lease takes its lock again on the new session before it is used, and tells
+its consumer (``on_reconnect``): after a failover whose old primary went dark, the heartbeats
+are what notices first, and the consumer's LISTEN connection may be left on the old server.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ logger = logging.getLogger(__name__)
 class Lease:
     """Registration and liveness of one consumer id."""
 
-    def __init__(self, store: Store, queues: Callable[[], Sequence[str]]):
+    def __init__(self, store: Store, queues: Callable[[], Sequence[str]],
+                 on_reconnect: Callable[[], None] | None = None):
         self.id = uuid.uuid4()
+        self._on_reconnect = on_reconnect
         self.settings = store.settings
         self._queues = queues
         # The process's shared store (not the event loop's LISTEN connection), one more user
@@ -85,7 +89,9 @@ class Lease:
     def _relock(self, conn: psycopg.Connection[Any]) -> None:
         """The shared store has a new session: take this consumer's lock again on it (the old
         session's went with it), before any statement runs there. Another key if it is taken
-        (vanishingly rare): the next beat registers it."""
+        (vanishingly rare): the next beat registers it. Then the consumer hears of it."""
+        if self._on_reconnect is not None:
+            self._on_reconnect()
         if self._lock_key is None or not self._started:
             return
         key = self._take_lock(conn)

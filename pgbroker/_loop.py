@@ -40,6 +40,7 @@ class LoopStatements:
     _TYPES = {"queue": 25, "limit": 23, "consumer": 2950, "ids": 2951, "attempts": 1007}
 
     def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
+        self._conn = conn
         self._pgconn = conn.pgconn
         self._order: dict[bytes, list[str]] = {}
         #: through a transaction pooler: no session state, so each statement is sent whole
@@ -120,7 +121,12 @@ class LoopStatements:
 
     def result(self, wait: bool = False) -> list[JobRow] | None:  # Claimed for a claim
         """The claimed rows (none for an ack) once the statement in flight has finished; None
-        while it runs (or without one). The caller has read the socket (``consume_input``)."""
+        while it runs (or without one). The caller has read the socket (``consume_input``).
+        Never waited for on a connection left on a failover's old primary (``_db.superseded``),
+        whose address may be dark: [] at once, its claim's rows come back with the lease."""
+        if wait and self._sent is not None and _db.superseded(self._conn):
+            self._sent, self._results = None, []
+            return []
         pg = self._pgconn
         while self._sent is not None:
             name, values, acks = self._sent

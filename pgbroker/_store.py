@@ -115,9 +115,10 @@ class Store:
         """Open the connection (migrating or checking the schema first); idempotent."""
         self._check_fork()
         with self._lock:
-            if _db.owned(self._conn):
+            if _db.owned(self._conn) and not _db.superseded(self._conn):
                 assert self._conn is not None
                 return self._conn
+            _db.close(self._conn)  # on the old primary (superseded); else a no-op
             self._conn = None  # inherited through fork, or closed: never reuse
             # psycopg prepares a statement at its 5th execution; PostgreSQL would then still
             # plan it anew on every execution (its custom plans look cheaper), which was 40 %
@@ -158,7 +159,8 @@ class Store:
     @property
     def conn(self) -> psycopg.Connection[Any]:
         conn = self._conn
-        if conn is None or conn.closed or getattr(conn, "_pgbroker_pid", None) != os.getpid():
+        if (conn is None or conn.closed or getattr(conn, "_pgbroker_pid", None) != os.getpid()
+                or _db.superseded(conn)):
             return self.connect()
         return conn
 

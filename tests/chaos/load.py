@@ -5,12 +5,19 @@ Every task is ``tests.chaos.app.sturdy_touch(key)`` with ``task_id = key``, so a
 runs in ``public.runs`` and the key the producer sent all join on one value. A publish that fails is
 retried by the producer with the same task id: the unique index on ``(queue, task_id, retries)``
 makes that retry idempotent even when the failed attempt had in fact committed.
+
+``python -m tests.chaos.load PREFIX COUNT RATE`` runs the same load in a process of its own (a
+producer on a worker host, tests/chaos/hosts.py): one JSON line per ``apply_async`` call on
+stdout, as it returns or raises (see :func:`main`).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +57,9 @@ class LoadProducer:
     errors: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, error)
     sent: list[str] = field(default_factory=list)
     sent_at: list[float] = field(default_factory=list)  # monotonic time of each publish
+    #: called after every ``apply_async`` call: (key, started, ended, error or None), the times
+    #: as time.time()
+    on_call: Callable[[str, float, float, str | None], None] | None = None
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -71,14 +81,21 @@ class LoadProducer:
             if delay > 0 and self._stop.wait(delay):
                 return
             while not self._stop.is_set():
+                began = time.time()
                 try:
                     sturdy_touch.apply_async((key,), task_id=key, retry_policy=self.retry_policy)
+                    self._called(key, began, None)
                     break
                 except Exception as exc:  # noqa: BLE001 - counted, then sent again
                     self.errors.append((time.monotonic(), f"{type(exc).__name__}: {exc}"))
+                    self._called(key, began, self.errors[-1][1])
                     self._stop.wait(0.2)
             self.sent.append(key)
             self.sent_at.append(time.monotonic())
+
+    def _called(self, key: str, began: float, error: str | None) -> None:
+        if self.on_call is not None:
+            self.on_call(key, began, time.time(), error)
 
     def join(self, timeout: float) -> None:
         """Wait for the last publish; raises if the producer is still going after ``timeout``."""
@@ -140,3 +157,28 @@ def wait_all_completed(pg: psycopg.Connection, keys: list[str], timeout: float,
         return f"all {len(keys)} tasks completed ({tally(pg, keys, schema=schema)}; {stuck})"
 
     return wait_for(done, timeout, interval=0.25, message=why)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.chaos.load PREFIX COUNT RATE [RETRY_POLICY]``: a :class:`LoadProducer`
+    of the ``tests.e2e.app`` app (its broker from ``PGBROKER_TEST_BROKER_URL``; Celery's publish
+    retry policy as JSON, default :data:`PUBLISH_RETRY`) that writes each
+    ``apply_async`` call as a JSON line, ``{"key", "start", "end", "error"}`` (times as
+    time.time(), ``error`` null for a publish that returned), flushed at once: a test reads
+    them as they come, and a publish that never returns shows as the line that never came."""
+    prefix, count, rate, *policy = (argv if argv is not None else sys.argv[1:])
+    lock = threading.Lock()
+
+    def write(key: str, start: float, end: float, error: str | None) -> None:
+        with lock:
+            print(json.dumps({"key": key, "start": start, "end": end, "error": error}),
+                  flush=True)
+
+    retry = json.loads(policy[0]) if policy else dict(PUBLISH_RETRY)
+    load = LoadProducer(prefix, int(count), rate=float(rate), retry_policy=retry,
+                        on_call=write).start()
+    load.join(24 * 3600)  # the test kills a producer that hangs
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -95,8 +95,8 @@ class Cluster:
         return self.standby if self.promoted_at else self.primary
 
 
-def _standby_of(primary: ThrowawayServer) -> ThrowawayServer:
-    standby = ThrowawayServer(primary.bindir, listen=primary.listen)
+def _standby_of(primary: ThrowawayServer, listen: str) -> ThrowawayServer:
+    standby = ThrowawayServer(primary.bindir, listen=listen)
     standby._run("pg_basebackup", "-D", str(standby.datadir), "-R", "-X", "stream", "-N",
                  "-c", "fast", "-d",
                  f"host=127.0.0.1 port={primary.port} user=postgres "
@@ -109,19 +109,26 @@ def _standby_of(primary: ThrowawayServer) -> ThrowawayServer:
 
 
 @contextlib.contextmanager
-def cluster(synchronous: bool = True) -> Iterator[Cluster]:
-    """A started primary and standby (skips the test without the binaries), destroyed on exit."""
+def cluster(synchronous: bool = True, listen: tuple[str, str] = ("127.0.0.1", "127.0.0.1"),
+            hba: Sequence[str] = ()) -> Iterator[Cluster]:
+    """A started primary and standby (skips the test without the binaries), destroyed on exit.
+    ``listen``: the primary's and the standby's ``listen_addresses`` (127.0.0.1 among them:
+    replication and :meth:`Cluster.url` use it); ``hba``: more ``pg_hba.conf`` lines, both
+    servers'."""
     bindir = require_bindir()
     if not (bindir / "pg_basebackup").is_file():
         pytest.skip(f"no pg_basebackup in {bindir}")
     settings = {"wal_level": "replica", "max_wal_senders": "5", "wal_keep_size": "256MB"}
     if synchronous:
         settings["synchronous_standby_names"] = STANDBY_NAME
-    primary = ThrowawayServer(bindir, settings=settings)
+    primary = ThrowawayServer(bindir, settings=settings, listen=listen[0])
     standby: ThrowawayServer | None = None
     try:
-        primary.init().start()
-        standby = _standby_of(primary)
+        primary.init()
+        for line in hba:  # (pg_basebackup copies them to the standby)
+            primary.allow(line)
+        primary.start()
+        standby = _standby_of(primary, listen[1])
         made = Cluster(primary, standby, synchronous)
         if synchronous:  # the standby is attached as the synchronous one before any test write
             deadline = time.monotonic() + 30

@@ -11,6 +11,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import pgbroker  # noqa: F401 - registers the pgbroker:// scheme with kombu
+from pgbroker import _db
 from pgbroker._db import kombu_conninfo, libpq_url, mask_password
 from pgbroker.errors import ConfigurationError
 
@@ -198,3 +199,42 @@ def test_alternates_of_plus_urls_are_refused_at_once() -> None:
     conn = kombu.Connection("pgbroker+postgresql://u@h1/db;pgbroker+postgresql://u@h2/db")
     with pytest.raises(ConfigurationError, match="one libpq URL"):
         conn.transport  # noqa: B018 - building the transport is what refuses
+
+
+# -- the server that took the last connection first (a dark old primary: docs/chaos.md) -----------
+
+_TWO = "postgresql://u@a:5432,b:5433/app?target_session_attrs=read-write"
+
+
+def _reordered(url: str, good: tuple[str, str] | None, monkeypatch: pytest.MonkeyPatch
+               ) -> dict[str, str]:
+    if good is not None:
+        monkeypatch.setitem(_db._last_good, url, good)
+    return _db._last_good_first(url, conninfo_to_dict(url))
+
+
+def test_the_server_that_took_the_last_connection_is_tried_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _reordered(_TWO, ("b", "5433"), monkeypatch) == {"host": "b,a", "port": "5433,5432"}
+    assert _reordered(_TWO, ("a", "5432"), monkeypatch) == {}  # first already
+    assert _reordered(_TWO, None, monkeypatch) == {}  # nothing known yet: libpq's order
+    no_ports = "postgresql://u@/app?host=a,b&target_session_attrs=read-write"
+    assert _reordered(no_ports, ("b", "5432"), monkeypatch) == {"host": "b,a"}
+
+
+def test_the_last_good_server_moves_to_the_front_and_the_rest_keep_their_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    url = ("postgresql://u@/app?host=a,b,c&port=5432&hostaddr=10.0.0.1,10.0.0.2,10.0.0.3"
+           "&target_session_attrs=primary")
+    assert _reordered(url, ("c", "5432"), monkeypatch) == {
+        "host": "c,a,b", "port": "5432,5432,5432", "hostaddr": "10.0.0.3,10.0.0.1,10.0.0.2"}
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://u@a:5432,b:5433/app",  # no role asked for: the hosts may be a preference order
+    "postgresql://u@a:5432,b:5433/app?target_session_attrs=any",
+    "postgresql://u@a:5432,b:5433/app?target_session_attrs=read-write&load_balance_hosts=random",
+    "postgresql://u@/app?host=a,b&port=5432,5433,5434&target_session_attrs=read-write",  # libpq's
+], ids=["no-role", "any", "load-balanced", "mismatched-lists"])
+def test_the_hosts_keep_their_order(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _reordered(url, ("b", "5433"), monkeypatch) == {}

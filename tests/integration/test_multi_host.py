@@ -1,0 +1,58 @@
+"""Connections over a multi-host URL with ``target_session_attrs=read-write``: the server that
+took a process's last connection is tried first by the next (``pgbroker._db.connect``), and a
+connection left on another server is given up (``_db.superseded``). The
+scenario it is for, an old primary whose address went dark, is
+tests/chaos/test_blackholed_primary.py; here a real server and a closed port stand for the
+promoted primary and the old one.
+"""
+
+from __future__ import annotations
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from pgbroker import _db
+from pgbroker._store import Store
+from pgbroker.settings import Settings
+from tests.support.db import free_port
+
+
+def test_the_next_connection_goes_to_the_server_that_took_the_last_one(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    given = conninfo_to_dict(db_url)
+    host, port = given.get("host") or "127.0.0.1", str(given.get("port") or 5432)
+    closed = free_port()
+    url = (f"postgresql://{given.get('user', 'postgres')}@/{given['dbname']}"
+           f"?host=127.0.0.1,{host}&port={closed},{port}&target_session_attrs=read-write")
+    monkeypatch.setattr(_db, "_last_good", {})
+    with _db.connect(url) as conn:  # the closed port refuses, the server takes it
+        assert str(conn.info.port) == port
+    assert _db._last_good == {url: (host, port)}
+    assert _db._last_good_first(url, conninfo_to_dict(url)) == {
+        "host": f"{host},127.0.0.1", "port": f"{port},{closed}"}
+    with _db.connect(url) as conn:
+        assert str(conn.info.port) == port
+
+
+def test_a_store_left_on_the_old_primary_connects_again_before_its_next_statement(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another connection of the process found the writable server elsewhere (here: the same
+    server under another name, as a failover's new primary would be): the store's connection
+    is superseded, and its next statement goes to that server rather than into what may be a
+    dark address (tests/chaos/test_blackholed_primary.py)."""
+    given = conninfo_to_dict(db_url)
+    port = str(given.get("port") or 5432)
+    url = (f"postgresql://{given.get('user', 'postgres')}@/{given['dbname']}"
+           f"?host=127.0.0.1,localhost&port={port}&target_session_attrs=read-write")
+    monkeypatch.setattr(_db, "_last_good", {})
+    store = Store(url, Settings())
+    try:
+        old = store.connect()
+        assert old.info.host == "127.0.0.1" and not _db.superseded(old)
+        _db._last_good[url] = ("localhost", port)  # what that other connection recorded
+        assert _db.superseded(old)
+        assert store.queue_size("celery") == 0
+        assert old.closed and store.conn.info.host == "localhost"
+        assert not _db.superseded(store.conn)
+    finally:
+        store.close()
