@@ -314,15 +314,29 @@ def listen(conninfo: str, channel: str, *, connect_timeout: float = 10.0,
 
 
 def wait_readable(fd: int, timeout: float) -> bool:
-    """Wait until ``fd`` is readable or ``timeout`` seconds pass; True if it is. poll() where
-    there is one (select() fails on descriptors above 1023); looked up per call, so that
+    """Wait until ``fd`` is readable or ``timeout`` seconds pass; True if it is."""
+    return wait_ready(fd, timeout)[0]
+
+
+def wait_ready(fd: int, timeout: float | None = None, read: bool = True,
+               write: bool = False) -> tuple[bool, bool]:
+    """Wait until ``fd`` is readable (``read``) or writable (``write``), or ``timeout`` seconds
+    pass (None: however long); returns (readable, writable), an error or hang-up counting as
+    both (the caller's next call on it says which). poll() where there is one: select() fails
+    on descriptors above 1023 (a busy web process, gevent). Looked up per call, so that
     gevent's patching applies."""
     poll = getattr(select, "poll", None)
     if poll is None:
-        return bool(select.select([fd], [], [], timeout)[0])
+        readable, writable, _ = select.select([fd] if read else [], [fd] if write else [], [],
+                                              timeout)
+        return bool(readable), bool(writable)
     poller = poll()
-    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
-    return bool(poller.poll(timeout * 1000))
+    poller.register(fd, (select.POLLIN if read else 0) | (select.POLLOUT if write else 0))
+    events = 0
+    for _, event in poller.poll(None if timeout is None else timeout * 1000):
+        events |= event
+    failed = events & (select.POLLERR | select.POLLHUP | select.POLLNVAL)
+    return bool(events & select.POLLIN or failed), bool(events & select.POLLOUT or failed)
 
 
 def notifications(conn: psycopg.Connection[Any], what: str = "the LISTEN connection",

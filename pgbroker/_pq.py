@@ -4,17 +4,19 @@ The event loop's claims (:mod:`pgbroker._loop`) and the store's prepared insert 
 psycopg's cursor, on the connection's ``pgconn``. These helpers send a statement whole and read
 its results, waiting on the socket in Python: libpq's own blocking calls would neither release
 the GIL nor return to Python for a signal (a Ctrl-C) while a lock on the table makes them wait.
+The waits are poll()s (:func:`pgbroker._db.wait_ready`): select() fails above descriptor 1023.
 """
 
 from __future__ import annotations
 
 import re
-import select
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
+
+from ._db import wait_ready
 
 __all__ = ["send", "prepare", "run", "finish", "collect", "numbered", "text_arrays", "check",
            "split"]
@@ -30,7 +32,7 @@ def send(pgconn: psycopg.pq.abc.PGconn, name: bytes, values: Sequence[bytes | No
     else:
         pgconn.send_query_prepared(name, values, formats, result_format)
     while pgconn.flush():  # the rest did not fit in the socket buffer yet
-        readable, _, _ = select.select([pgconn.socket], [pgconn.socket], [])
+        readable, _ = wait_ready(pgconn.socket, write=True)
         if readable:
             pgconn.consume_input()
 
@@ -52,7 +54,7 @@ def run(pgconn: psycopg.pq.abc.PGconn, command: bytes) -> None:
 def finish(pgconn: psycopg.pq.abc.PGconn) -> None:
     """Flush what was sent, wait for its results and raise the first error among them."""
     while pgconn.flush():
-        select.select([], [pgconn.socket], [])
+        wait_ready(pgconn.socket, read=False, write=True)
     results: list[Any] = []
     collect(pgconn, results, wait=True)
     for result in results:
@@ -66,7 +68,7 @@ def collect(pgconn: psycopg.pq.abc.PGconn, results: list[Any], wait: bool) -> bo
         if pgconn.is_busy():
             if not wait:
                 return False
-            select.select([pgconn.socket], [], [])
+            wait_ready(pgconn.socket)
             pgconn.consume_input()
             continue
         res = pgconn.get_result()
