@@ -351,6 +351,32 @@ def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
                     conn.execute(statement)
 
 
+def test_a_producer_gates_a_queue_only_by_publishing_a_keyed_job(roles: dict[str, str]) -> None:
+    """A keyed insert marks its queue gated through a trigger of the schema's owner
+    (0013_gate_definer.sql): the producer role may not write gated_queues itself, where it
+    could move every queue's claims to the costlier gated statement ('' gates them all)."""
+    producer_url, _ = split_roles(roles, keys_app.RUNS_DDL, "key_runs", "SELECT, INSERT, UPDATE")
+    with psycopg.connect(producer_url, autocommit=True) as conn:
+        for statement in ("INSERT INTO pgbroker.gated_queues (name) VALUES ('')",
+                          "INSERT INTO pgbroker.gated_queues (name) VALUES ('celery')",
+                          "DELETE FROM pgbroker.gated_queues",
+                          "SELECT * FROM pgbroker.gated_queues"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+    point_producer(keys_app.app, "pgbroker+" + producer_url, {"auto_migrate": False})
+    try:
+        with psycopg.connect(producer_url) as conn:
+            pgbroker.enqueue(conn, keys_app.sync, ("keyed", 0.0), concurrency_key="source:1")
+            conn.commit()
+    finally:
+        drop_pools(keys_app.app)
+    with psycopg.connect(roles["url"], autocommit=True) as admin:
+        gated = {r[0] for r in admin.execute("SELECT name FROM pgbroker.gated_queues")}
+        queue = admin.execute("SELECT queue FROM pgbroker.jobs WHERE concurrency_key = 'source:1'"
+                              ).fetchone()
+    assert queue is not None and gated == {queue[0]}, (queue, gated)
+
+
 def test_no_producer_can_change_a_dedupe_key_and_dedupe_still_works_for_both_roles(
         roles: dict[str, str]) -> None:
     """A dedupe key is handed to a Celery retry by the insert itself (the trigger of
