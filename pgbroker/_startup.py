@@ -1,9 +1,10 @@
-"""What a Celery worker says once when it starts: diagnostics of its database.
+"""What a Celery worker says once: diagnostics of its database, and of its tasks' job keys.
 
 Connected to Celery's ``worker_ready`` by ``import pgbroker``, so that a worker says it once per
 start -- not every consumer: ``celery inspect`` and ``celery status`` consume (their reply
 queue) too, and a warning on their stderr at every call is noise. Plain kombu consumers outside
-a Celery worker are not told.
+a Celery worker are not told. And to ``task_received``: a job whose keys count it while it runs
+(``concurrency_key``, ``dedupe_active``) for a task acked on receipt, once per task name.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from celery import signals
 from ._store import Store
 from .transport import Transport
 
-__all__ = ["connect", "warn_without_autovacuum"]
+__all__ = ["connect", "on_task_received", "warn_without_autovacuum"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,27 @@ def warn_without_autovacuum(store: Store) -> None:
             table, table)
 
 
+#: The task names warned of by :func:`on_task_received`.
+_early: set[str] = set()
+
+
+def on_task_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Celery's ``task_received``, in the worker: a concurrency key or ``dedupe_active`` counts
+    a job while it is 'running', which ends at its ack -- at receipt, unless the task acks
+    late. Its copies would then run at once, and nothing else would show it."""
+    task = getattr(request, "task", None)
+    if task is None or task.acks_late or task.name in _early:
+        return
+    headers = getattr(getattr(request, "message", None), "headers", None) or {}
+    keys = [k for k in ("concurrency_key", "dedupe_active") if headers.get(k)]
+    if keys:
+        _early.add(task.name)
+        logger.warning(
+            "pgbroker: task %s is acked on receipt, and its jobs carry %s: a job counts as "
+            "running only until its ack, so its copies are not held back while it runs. Set "
+            "task_acks_late = True (or acks_late=True on the task).", task.name, " and ".join(keys))
+
+
 def on_worker_ready(sender: Any = None, **_: Any) -> None:
     """Celery's ``worker_ready``: the worker's diagnostics, on a connection of their own."""
     transport = getattr(getattr(sender, "connection", None), "transport", None)
@@ -58,5 +80,6 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
 
 
 def connect() -> None:
-    """Connect :func:`on_worker_ready` to Celery's signal (done by ``import pgbroker``)."""
+    """Connect the handlers to Celery's signals (done by ``import pgbroker``)."""
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="pgbroker.startup")
+    signals.task_received.connect(on_task_received, weak=False, dispatch_uid="pgbroker.early")

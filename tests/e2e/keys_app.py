@@ -58,6 +58,15 @@ def sync(self, arg: str, seconds: float = 0.0) -> str:
     return arg
 
 
+@app.task(bind=True, name="keys.early", acks_late=False)
+def early(self, arg: str, seconds: float = 0.0) -> str:
+    """Acked on receipt, against the advice: a concurrency key is freed before it runs."""
+    n = _start(self, arg)
+    time.sleep(seconds)
+    _end(n)
+    return arg
+
+
 @app.task(bind=True, name="keys.plain")
 def plain(self, arg: str) -> str:
     _end(_start(self, arg))

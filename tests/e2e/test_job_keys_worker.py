@@ -228,3 +228,23 @@ def test_a_rate_limit_holds_across_three_workers(producer: Celery, runs: psycopg
     assert runs.execute("SELECT max(attempts) FROM pgbroker.jobs").fetchone() == (1,)
     print(f"\n[figure] 40 jobs at 5/s over 3 workers ({per_worker} pool processes): starts "
           f"spread over {spread:.1f} s, busiest 1 s window of claims: {busiest}")
+
+
+def test_a_keyed_job_of_a_task_acked_on_receipt_is_named_in_a_warning(
+        producer: Celery, runs: psycopg.Connection, broker_url: str) -> None:
+    """Acked on receipt, a job is 'running' only until the worker receives it: its concurrency
+    key no longer holds its copies back. The worker says so, once per task name; not for a task
+    that acks late, nor for a job without keys."""
+    worker = start_worker(broker_url, "-c", "2", app=APP)
+    try:
+        sent = [keys_app.early.apply_async((f"e{i}", 0.0), headers={"concurrency_key": "k"})
+                for i in range(2)]
+        sent += [keys_app.early.delay("no-key"),
+                 keys_app.sync.apply_async(("late", 0.0), headers={"concurrency_key": "k"})]
+        wait_for(lambda: len(key_runs(runs)) == len(sent), 30, message="the four runs")
+        worker.wait_for_log("pgbroker: task keys.early is acked on receipt")
+    finally:
+        worker.stop()
+    log = worker.log()
+    assert log.count("is acked on receipt") == 1, log
+    assert "carry concurrency_key:" in log
