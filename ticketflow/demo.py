@@ -62,8 +62,12 @@ from .tasks import ENV_CHARGE_BACKOFF, ENV_PDF_SECONDS
 
 __all__ = ["Plan", "SHORT", "FULL", "main", "add_arguments"]
 
-#: Seconds a child gets to finish its warm shutdown before it is killed.
-STOP_TIMEOUT = 20.0
+#: Seconds a child gets to finish its warm shutdown before it is killed. More than the 30 s a
+#: pool process of Celery's prefork pool may wait at exit: a task handed to it in the instant
+#: of the SIGTERM runs, but the pool has already dropped it from its cache ("redelivered by the
+#: broker anyway", ``AsynPool.flush``), never reads its result, and the process waits for that
+#: read (billiard's ``_ensure_messages_consumed``, 300 x 0.1 s) before it exits.
+STOP_TIMEOUT = 45.0
 #: The test card that always succeeds.
 GOOD_CARD = "4242 4242 4242 4242"
 
