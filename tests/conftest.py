@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -28,6 +29,8 @@ import pytest
 from pgbroker._localdb import admin_url, resolve_database_url
 from tests.support.databases import create_database, drop_database
 from tests.support import processes
+
+CHAOS_DIR = Path(__file__).parent / "chaos"
 
 #: The fixtures several tiers share (runs, producer, ticketflow's): no test module imports one.
 pytest_plugins = ("tests.support.fixtures",)
@@ -76,6 +79,15 @@ def empty_url(database_url: str) -> Iterator[str]:
         yield admin_url(database_url, name)
     finally:
         drop_database(database_url, name)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2``, the README's command), the chaos tests run one after
+    another on one worker (``--dist loadgroup``): they start servers, cut networks and stop
+    PostgreSQL, and each measures what a fault costs, so two at once would measure each other."""
+    for item in items:
+        if item.path.is_relative_to(CHAOS_DIR):
+            item.add_marker(pytest.mark.xdist_group("chaos"))
 
 
 @pytest.fixture

@@ -135,7 +135,8 @@ def test_beat_stopped_while_it_applies_its_config_exits(broker_url: str, db_url:
         beat = run_beat("tests.e2e.beat_app", broker_url)
         wait_for(lambda: pg.execute(
             "SELECT 1 FROM pg_stat_activity WHERE application_name = 'pgbroker beat' "
-            "AND wait_event_type = 'Lock'").fetchone(), 60, message="beat waiting for the row")
+            "AND wait_event_type = 'Lock' AND datname = current_database()").fetchone(), 60,
+            message="beat waiting for the row")
         beat.kill(signal.SIGTERM)
         time.sleep(0.5)  # the signal is in; beat goes on once the row is free
     assert beat.wait(20) == 0, beat.log()[-3000:]

@@ -28,7 +28,7 @@ XSS = "<script>alert('pwned')</script>"
 # -- authentication ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["/", "/dead", "/jobs", "/audit", "/overview/live",
-                                  f"/jobs/{uuid.uuid4()}"])
+                                  "/jobs/0190a6e2-57c1-7b3e-9a55-3f2d1c0b9e41"])
 def test_pages_need_a_login(app: Flask, path: str) -> None:
     response = app.test_client().get(path)
     assert response.status_code == 302

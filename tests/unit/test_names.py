@@ -85,10 +85,14 @@ def test_a_broadcast_delivery_has_no_row_to_acknowledge() -> None:
     assert parse_delivery_tag(f"b/{uuid.uuid4()}/3") is None
 
 
+#: A fixed id, so that the parameters (and the test ids) are the same in every process (xdist).
+A_UUID = uuid.UUID("0190a6e2-57c1-7b3e-9a55-3f2d1c0b9e41")
+
+
 @pytest.mark.parametrize("tag", [
-    "", "garbage", "/1", f"{uuid.uuid4()}/", f"{uuid.uuid4()}/x", "not-a-uuid/1",
-    f"{uuid.uuid4()}/1/x", f"{uuid.uuid4()}/1/t/t",
-    pytest.param(str(uuid.uuid4()), id="kombu-tag"),
+    "", "garbage", "/1", f"{A_UUID}/", f"{A_UUID}/x", "not-a-uuid/1",
+    f"{A_UUID}/1/x", f"{A_UUID}/1/t/t",
+    pytest.param(str(A_UUID), id="kombu-tag"),
 ])
 def test_malformed_delivery_tags_are_refused(tag: str) -> None:
     # Tags made by something else are not ours: acking one must fail loudly, not guess.
