@@ -19,10 +19,6 @@ import pytest
 
 from tests.support.processes import REPO_ROOT
 
-#: One process of pytest-xdist runs this module: one build (its sdist step writes
-#: pgbroker.egg-info into the source tree), shared by the module's tests.
-pytestmark = pytest.mark.xdist_group("packaging")
-
 #: Files pgbroker opens at run time, relative to the repository: each must be in both artefacts.
 RUNTIME_GLOBS = ("pgbroker/sql/*.sql", "pgbroker/sql/migrations/*.sql",
                  "pgbroker/admin/templates/*.html", "pgbroker/admin/static/*", "pgbroker/py.typed")
