@@ -91,8 +91,9 @@ class LoopStatements:
         self._send(b"pgbroker_ack", {"ids": ids, "attempts": attempts}, list(acks))
 
     def take_locked(self) -> list[tuple[uuid.UUID, int]]:
-        """The acks of finished statements that met another session's row lock: to be acked
-        later with job_ack (which skips locked rows), never folded into a claim again."""
+        """The acks not made: of finished statements that met another session's row lock, or
+        of one given up on a superseded connection (:meth:`result`); to be acked later with
+        job_ack (which skips locked rows), never folded into a claim again."""
         locked, self._locked = self._locked, []
         return locked
 
@@ -123,8 +124,11 @@ class LoopStatements:
         """The claimed rows (none for an ack) once the statement in flight has finished; None
         while it runs (or without one). The caller has read the socket (``consume_input``).
         Never waited for on a connection left on a failover's old primary (``_db.superseded``),
-        whose address may be dark: [] at once, its claim's rows come back with the lease."""
+        whose address may be dark: [] at once, its claim's rows come back with the lease, and
+        its acks, made there or not, are to be made again (:meth:`take_locked`): job_ack by
+        (id, attempt) completes a delivery at most once."""
         if wait and self._sent is not None and _db.superseded(self._conn):
+            self._locked.extend(self._sent[2])
             self._sent, self._results = None, []
             return []
         pg = self._pgconn

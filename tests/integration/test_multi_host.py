@@ -1,19 +1,23 @@
 """Connections over a multi-host URL with ``target_session_attrs=read-write``: the server that
 took a process's last connection is tried first by the next (``pgbroker._db.connect``), and a
-connection left on another server is given up (``_db.superseded``). The
-scenario it is for, an old primary whose address went dark, is
+connection left on another server is given up (``_db.superseded``), with the acks of the event
+loop's claim in flight made on the new server. The scenario it is for, an old primary whose address went dark, is
 tests/chaos/test_blackholed_primary.py; here a real server and a closed port stand for the
 promoted primary and the old one.
 """
 
 from __future__ import annotations
 
+import time
+
+import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from pgbroker import _db
-from pgbroker._store import Store
+from pgbroker._store import CLAIM_LOCK_TIMEOUT, Store
 from pgbroker.settings import Settings
+from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, jobs, publish
 from tests.support.db import free_port
 
 
@@ -56,3 +60,35 @@ def test_a_store_left_on_the_old_primary_connects_again_before_its_next_statemen
         assert not _db.superseded(store.conn)
     finally:
         store.close()
+
+
+def test_a_claim_given_up_on_the_old_primary_makes_its_acks_on_the_new_one(
+        db_url: str, pg: psycopg.Connection, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop's claim in flight carries the acks of finished tasks. When its connection
+    turns out to be on a failover's old primary, the claim is given up without waiting (that
+    address may be dark); its acks are made on the new primary, not left for the lease to
+    redeliver their tasks (here the claim failed where it ran: a table lock outlasted it)."""
+    given = conninfo_to_dict(db_url)
+    port = str(given.get("port") or 5432)
+    url = (f"pgbroker+postgresql://{given.get('user', 'postgres')}@/{given['dbname']}"
+           f"?host=127.0.0.1,localhost&port={port}&target_session_attrs=read-write")
+    monkeypatch.setattr(_db, "_last_good", {})
+    with connect(url) as producer:
+        publish(producer, "ran", "failover")
+    conn = connect(url, **NO_POLL)
+    consumer = LoopConsumer(conn, "failover", prefetch=1, ack=False)
+    try:
+        consumer.run_until(lambda: len(consumer.received) == 1)
+        with psycopg.connect(db_url) as locker:
+            locker.execute("LOCK TABLE pgbroker.jobs IN EXCLUSIVE MODE")
+            consumer.received[0].ack()  # deferred: folded into the next claim
+            # that claim waits for the lock and fails where it runs (lock_timeout)
+            consumer.run_until(lambda: conn.transport.in_flight is not None)
+            time.sleep(CLAIM_LOCK_TIMEOUT * 3)
+        # a failover: another connection of the process found the writable server elsewhere
+        for key in list(_db._last_good):
+            _db._last_good[key] = ("localhost", port)
+        conn.close()
+    finally:
+        consumer.hub.close()
+    assert [(r["state"], r["attempts"]) for r in jobs(pg)] == [("completed", 1)]
