@@ -8,17 +8,16 @@ promoted primary and the old one.
 
 from __future__ import annotations
 
-import time
-
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from pgbroker import _db
-from pgbroker._store import CLAIM_LOCK_TIMEOUT, Store
+from pgbroker._store import Store
 from pgbroker.settings import Settings
 from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, jobs, publish
 from tests.support.db import free_port
+from tests.support.processes import wait_for
 
 
 def test_the_next_connection_goes_to_the_server_that_took_the_last_one(
@@ -82,9 +81,10 @@ def test_a_claim_given_up_on_the_old_primary_makes_its_acks_on_the_new_one(
         with psycopg.connect(db_url) as locker:
             locker.execute("LOCK TABLE pgbroker.jobs IN EXCLUSIVE MODE")
             consumer.received[0].ack()  # deferred: folded into the next claim
-            # that claim waits for the lock and fails where it runs (lock_timeout)
+            # that claim waits for the lock, then fails where it runs (lock_timeout)
             consumer.run_until(lambda: conn.transport.in_flight is not None)
-            time.sleep(CLAIM_LOCK_TIMEOUT * 3)
+            wait_for(lambda: waiting_for_a_lock(pg), 10, message="the claim to wait")
+            wait_for(lambda: not waiting_for_a_lock(pg), 10, message="its lock timeout")
         # a failover: another connection of the process found the writable server elsewhere
         for key in list(_db._last_good):
             _db._last_good[key] = ("localhost", port)
@@ -92,3 +92,9 @@ def test_a_claim_given_up_on_the_old_primary_makes_its_acks_on_the_new_one(
     finally:
         consumer.hub.close()
     assert [(r["state"], r["attempts"]) for r in jobs(pg)] == [("completed", 1)]
+
+
+def waiting_for_a_lock(pg: psycopg.Connection) -> bool:
+    """Whether a session of this database waits for a lock on pgbroker.jobs."""
+    return pg.execute("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted"
+                      " AND relation = 'pgbroker.jobs'::regclass)").fetchone()[0]
