@@ -13,16 +13,48 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any
 
-__all__ = ["ClaimPolicy", "Claimed", "Delivery", "JobRow", "WAKE_COALESCE", "is_gate_marker"]
+__all__ = ["after_params", "ClaimPolicy", "Claimed", "Delivery", "HEAD", "JobRow", "Position", "WAKE_COALESCE",
+           "is_gate_marker", "parse_wake"]
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05
 
 Delivery = tuple[uuid.UUID, int]
+
+#: A place in a queue's claim order, jobs_claim_idx's (-priority, run_at, id): a claim takes the
+#: rows after it (0014_claim_cursor.sql).
+Position = tuple[int, datetime, uuid.UUID]
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+#: Before every row: a claim from the head of the queue.
+HEAD: Position = (-256, datetime.min.replace(tzinfo=timezone.utc), uuid.UUID(int=0))
+#: After every row: nothing was left to claim (until a wake-up names a place).
+END: Position = (256, datetime.max.replace(tzinfo=timezone.utc), uuid.UUID(int=2**128 - 1))
+
+
+def after_params(after: Position = HEAD) -> dict[str, Any]:
+    """job_claim's parameters for a claim of the rows after ``after`` (HEAD: all)."""
+    return {"after_priority": after[0], "after_run_at": after[1], "after_id": after[2]}
+
+
+def parse_wake(kind: str) -> tuple[float, Position] | None:
+    """A wake-up's delay and the place it names, from its payload's first word:
+    '<delay>,<priority>,<run_at in microseconds>' (``jobs_wake_payload``), the place just before
+    every row of that priority and run_at; '<delay>' (an older pgbroker, a resume, an admin
+    retry) names none: HEAD. None: not a wake-up (anyone can NOTIFY)."""
+    delay, *place = kind.split(",")
+    try:
+        if not place:
+            return float(delay), HEAD
+        priority, run_at_us = place
+        # (the priority kept in the column's range: a spoofed one must not break the claim)
+        return float(delay), (-min(max(int(priority), 0), 255),
+                              _EPOCH + timedelta(microseconds=int(run_at_us)), uuid.UUID(int=0))
+    except (ValueError, OverflowError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +88,14 @@ class Claimed(list):  # type: ignore[type-arg]
 
     @classmethod
     def of(cls, rows: Iterable[Any], gated: bool = False) -> Claimed:
-        claimed = cls(sorted(rows, key=lambda r: (-r.priority, r.run_at, r.id)))
+        claimed = cls(sorted(rows, key=position))
         claimed.gated = gated
         return claimed
+
+
+def position(row: JobRow) -> Position:
+    """A claimed row's place in its queue's claim order."""
+    return (-row.priority, row.run_at, row.id)
 
 
 def is_gate_marker(row: Sequence[Any]) -> bool:
@@ -73,6 +110,15 @@ class ClaimPolicy:
     further than the last (fairness). How many: the free prefetch slots, else
     ``claim_batch_max``. Whether a claim may find anything: a NOTIFY, a timer or a full batch
     said so (``more``). It also keeps the channel's deferred acks, sent with its next claim.
+
+    Where a claim starts (the cursor, 0014_claim_cursor.sql): after the last row the queue's last
+    claim took, or after the end when that claim took all there was; never before a place a
+    wake-up named since (:meth:`lower`), including one that arrived while the claim was in
+    flight: its row may have committed after the claim's snapshot. Rows that become pending
+    behind the cursor without a wake-up naming their place (a resume, an admin retry, a lost
+    notification, a claim of another consumer rolled back) are found by the claims from the
+    head that every poll and every wake-up without a place ask for (:meth:`rescan`). A gated
+    queue is always claimed from the head: a keyed job passed over waits behind any cursor.
     """
 
     def __init__(self, batch_max: int):
@@ -85,6 +131,9 @@ class ClaimPolicy:
         self._rotation = 0
         self._round: list[str] = []  # event loop: the queues still to claim from in this round
         self._gated: set[str] = set()  # the queues claimed by job_claim_gated (sticky)
+        self._after: dict[str, Position] = {}  # a queue's cursor (absent: HEAD)
+        #: the queue whose claim is in flight: the lowest place named since it was sent
+        self._flight: dict[str, Position] = {}
 
     def may_find(self, queues: list[str]) -> bool:
         """Event loop: a claim is worth sending (something may be there, or the round goes on)."""
@@ -113,11 +162,40 @@ class ClaimPolicy:
         queue's gate is never lifted in the database either)."""
         return queue in self._gated
 
-    def took(self, queue: str, rows: Claimed) -> Claimed:
-        """The rows of a claim of ``queue``: learns whether the queue is gated."""
+    def after(self, queue: str) -> Position:
+        """Where the next claim of ``queue`` starts."""
+        return HEAD if queue in self._gated else self._after.get(queue, HEAD)
+
+    def start(self, queue: str) -> Position:
+        """Where a claim of ``queue`` about to be sent starts (see :meth:`took`)."""
+        self._flight[queue] = END
+        return self.after(queue)
+
+    def took(self, queue: str, rows: list[JobRow], want: int) -> list[JobRow]:
+        """The rows of a claim of ``queue`` (asked for ``want``): moves its cursor past them,
+        or past the end when it took fewer (none was left after its start), never past a place
+        named meanwhile; learns whether the queue is gated. A claim that did not run (given up
+        on a superseded connection: not a :class:`Claimed`) moves nothing back or forth."""
+        named = self._flight.pop(queue, END)
+        if not isinstance(rows, Claimed):
+            self.lower(queue, HEAD)
+            return rows
         if rows.gated:
             self._gated.add(queue)
+        self._after[queue] = min(position(rows[-1]) if rows and len(rows) >= want else END,
+                                named)
         return rows
+
+    def lower(self, queue: str, place: Position) -> None:
+        """A wake-up says rows of ``queue`` are pending from ``place`` on (HEAD: anywhere)."""
+        self._after[queue] = min(self._after.get(queue, HEAD), place)
+        if queue in self._flight:
+            self._flight[queue] = min(self._flight[queue], place)
+
+    def rescan(self) -> None:
+        """The next claim of every queue starts from the head (the poll: see the class)."""
+        for queue in list(self._after) + list(self._flight):
+            self.lower(queue, HEAD)
 
     def take_acks(self) -> list[Delivery]:
         acks, self.pending_acks = self.pending_acks, []

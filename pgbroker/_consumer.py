@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 
 from . import _db
-from ._claims import WAKE_COALESCE, ClaimPolicy, Claimed, Delivery, JobRow
+from ._claims import WAKE_COALESCE, ClaimPolicy, Claimed, Delivery, JobRow, parse_wake
 from ._lease import Lease
 from ._loop import LoopStatements
 from ._delivery import Broadcasts, broadcast_payload, row_payload
@@ -278,7 +278,8 @@ class Consumer:
             want = limit - delivered
             locked: list[Delivery] = []
             rows = policy.took(queue, self.store.claim(queue, want, consumer, policy.take_acks(),
-                                                       locked, policy.gated(queue)))
+                                                       locked, policy.gated(queue),
+                                                       policy.start(queue)), want)
             self.settle_later("ack", locked)
             full = full or len(rows) >= want
             delivered += self.hand_over_rows(channel, queue, rows)
@@ -296,13 +297,14 @@ class Consumer:
         policy: ClaimPolicy = channel.claims
         queue = policy.next_queue(channel.queues)
         want = policy.batch(channel.qos)
-        line.send_claim(queue, want, self.lease.ensure(), policy.take_acks(), policy.gated(queue))
+        line.send_claim(queue, want, self.lease.ensure(), policy.take_acks(), policy.gated(queue),
+                        policy.start(queue))
         self.in_flight = (channel, queue, want)
         return True
 
     def _claimed(self, channel: Any, queue: str, want: int, rows: Claimed) -> None:
         """Hand over the rows of a claim sent by :meth:`_send_claim`."""
-        self.hand_over_rows(channel, queue, channel.claims.took(queue, rows))
+        self.hand_over_rows(channel, queue, channel.claims.took(queue, rows, want))
         channel.claims.claimed(bool(rows), len(rows) >= want)
 
     def _wake_channel(self, channel: Any) -> None:
@@ -323,13 +325,13 @@ class Consumer:
                 broadcast_id, _, exchange = rest.partition(" ")
                 delivered += self._deliver_broadcast(broadcast_id, exchange)
                 continue
-            try:
-                delay = float(kind)
-            except ValueError:
+            if (woken := parse_wake(kind)) is None:
                 continue
+            delay, place = woken
             for channel in self.channels:
                 if rest in channel.queues:
                     if delay <= 0:
+                        channel.claims.lower(rest, place)
                         self._wake_channel(channel)
                     else:
                         # the payload's delay was measured at INSERT, not at COMMIT: ask the
@@ -422,6 +424,7 @@ class Consumer:
         self._take_result()
         for channel in self.channels:
             channel.claims.more = True
+            channel.claims.rescan()
         if self.queues():
             self._on_due()
         self.request_turn()

@@ -17,7 +17,7 @@ from psycopg.adapt import Transformer
 
 from . import _db, _outcomes, _pq, _store
 from ._sql import queries
-from ._claims import Claimed, JobRow, is_gate_marker
+from ._claims import HEAD, Claimed, JobRow, Position, is_gate_marker
 from ._store import CLAIM_LOCK_TIMEOUT
 from ._text import register_jsonb_loaders
 from .settings import Settings
@@ -37,7 +37,8 @@ class LoopStatements:
 
     _STATEMENTS = {b"pgbroker_claim": "job_claim", b"pgbroker_claim_gated": "job_claim_gated",
                    b"pgbroker_ack": "job_ack"}
-    _TYPES = {"queue": 25, "limit": 23, "consumer": 2950, "ids": 2951, "attempts": 1007}
+    _TYPES = {"queue": 25, "limit": 23, "consumer": 2950, "ids": 2951, "attempts": 1007,
+              "after_priority": 21, "after_run_at": 1184, "after_id": 2950}
 
     def __init__(self, conn: psycopg.Connection[Any], settings: Settings):
         self._conn = conn
@@ -77,14 +78,18 @@ class LoopStatements:
         return self._sent is not None
 
     def send_claim(self, queue: str, limit: int, consumer: uuid.UUID,
-                   acks: Sequence[tuple[uuid.UUID, int]], gated: bool = False) -> None:
-        """As Store.claim: ``gated`` by job_claim_gated, else by job_claim, sent again by
-        job_claim_gated (without the acks: made) when that finds the queue gated."""
+                   acks: Sequence[tuple[uuid.UUID, int]], gated: bool = False,
+                   after: Position = HEAD) -> None:
+        """As Store.claim: ``gated`` by job_claim_gated, else by job_claim (the rows after
+        ``after``), sent again by job_claim_gated (without the acks: made) when that finds the
+        queue gated."""
         ids, attempts = _pq.text_arrays(acks)
         name = b"pgbroker_claim_gated" if gated else b"pgbroker_claim"
         self._send(name, {"queue": queue.encode(), "limit": b"%d" % limit,
-                                       "consumer": str(consumer).encode(), "ids": ids,
-                                       "attempts": attempts}, list(acks))
+                          "consumer": str(consumer).encode(), "ids": ids, "attempts": attempts,
+                          "after_priority": b"%d" % after[0],
+                          "after_run_at": after[1].isoformat().encode(),
+                          "after_id": str(after[2]).encode()}, list(acks))
 
     def send_ack(self, acks: Sequence[tuple[uuid.UUID, int]]) -> None:
         ids, attempts = _pq.text_arrays(acks)

@@ -24,7 +24,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import _db, _outcomes, _pq
-from ._claims import Claimed, JobRow, is_gate_marker
+from ._claims import HEAD, Claimed, JobRow, Position, after_params, is_gate_marker
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
 from ._text import escape, register_jsonb_loaders
@@ -286,16 +286,17 @@ class Store:
     def claim(self, queue: str, limit: int, consumer: uuid.UUID,
               acks: Iterable[tuple[uuid.UUID, int]] = (),
               locked: list[tuple[uuid.UUID, int]] | None = None,
-              gated: bool = False) -> Claimed:
+              gated: bool = False, after: Position = HEAD) -> Claimed:
         """Take up to ``limit`` due jobs of ``queue``, acknowledging ``acks`` in the same
         statement (plain acks only: no deletion). An ack whose row another session holds
         locked would make the claim wait: after CLAIM_LOCK_TIMEOUT the claim is made again
         without the acks, which go to ``locked`` (for :meth:`ack`, which skips locked rows).
         ``gated``: by job_claim_gated (keys and rate limits); else by job_claim, and made again
-        at once by job_claim_gated (without the acks: made) when that finds the queue gated."""
+        at once by job_claim_gated (without the acks: made) when that finds the queue gated.
+        ``after``: job_claim takes the rows after this place (ClaimPolicy's cursor)."""
         ids, attempts = _pq.split(acks)
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
-                  "attempts": attempts}
+                  "attempts": attempts, **after_params(after)}
         retries = 0
         name = "job_claim_gated" if gated else "job_claim"
         while True:

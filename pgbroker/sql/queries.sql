@@ -43,10 +43,11 @@ WITH keys AS MATERIALIZED (
                     false)
     FROM keys AS k
     ON CONFLICT DO NOTHING
-    RETURNING queue, run_at
+    RETURNING queue, run_at, priority
 )
-SELECT pg_notify(%(channel)s,
-                 greatest(extract(epoch FROM run_at - now()), 0)::text || ' ' || queue)
+-- (the payload names the job's place in the claim's order: 0014_claim_cursor.sql)
+SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(extract(epoch FROM run_at - now()),
+                                                         priority, run_at, queue))
 FROM inserted;
 
 -- name: job_insert_dead
@@ -104,11 +105,13 @@ WITH m AS (
            coalesce(task = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)), false)
     FROM m
     ON CONFLICT DO NOTHING
-    RETURNING id, queue, run_at
+    RETURNING id, queue, run_at, priority
 ), notified AS (
-    SELECT pg_notify(%(channel)s, min_delay::text || ' ' || queue)
-    FROM (SELECT queue, greatest(extract(epoch FROM min(run_at) - now()), 0) AS min_delay
-          FROM inserted GROUP BY queue) AS per_queue
+    -- the lowest place in the claim's order of each queue's new jobs: the highest priority and
+    -- the earliest run_at (a bound below every one of them: 0014_claim_cursor.sql)
+    SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(
+               extract(epoch FROM min(run_at) - now()), max(priority), min(run_at), queue))
+    FROM inserted GROUP BY queue
 )
 SELECT NULL::uuid AS skipped FROM notified
 UNION ALL
@@ -154,7 +157,13 @@ WITH candidates AS MATERIALIZED (
       -- an expired message is never delivered (the sweeper marks it 'expired'), and must not
       -- use up the LIMIT either
       AND (expires_at IS NULL OR expires_at > now())
-    ORDER BY priority DESC, run_at, id
+      -- The walk starts after the consumer's cursor, an index condition: the entries behind it
+      -- -- the rows claimed before, whose dead versions VACUUM may not be allowed to remove --
+      -- are never read again (0014_claim_cursor.sql; pgbroker._claims.ClaimPolicy). The head
+      -- of the queue is (-256, '0001-01-01', the nil uuid).
+      AND (-priority, run_at, id) > (%(after_priority)s::smallint, %(after_run_at)s::timestamptz,
+                                     %(after_id)s::uuid)
+    ORDER BY -priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), updated AS (
@@ -245,7 +254,9 @@ WITH acking AS MATERIALIZED (
                             AND k.running - coalesce((SELECT a.n FROM acking AS a
                                                       WHERE a.key = k.key), 0)
                                 >= jobs.concurrency_limit))
-    ORDER BY priority DESC, run_at, id
+    -- (jobs_claim_idx's order; always from the head: a keyed job passed over waits behind
+    -- every cursor, so a gated queue keeps none)
+    ORDER BY -priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), gated AS MATERIALIZED (
@@ -274,7 +285,7 @@ WITH acking AS MATERIALIZED (
       AND (expires_at IS NULL OR expires_at > now())
       AND id NOT IN (SELECT id FROM candidates)
       AND NOT EXISTS (SELECT 1 FROM {schema}.rate_limits AS r WHERE r.task = jobs.task)
-    ORDER BY priority DESC, run_at, id
+    ORDER BY -priority, run_at, id
     LIMIT (SELECT CASE WHEN cardinality((SELECT ids FROM gated)) > 0 THEN %(limit)s - count(*)
                        ELSE 0 END
            FROM chosen)
@@ -442,10 +453,12 @@ WITH due AS MATERIALIZED (
                           ELSE coalesce(%(error)s::text, jobs.last_error) END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
     FROM taken WHERE jobs.id = taken.id
-    RETURNING jobs.id, jobs.queue, jobs.state, jobs.task, jobs.last_error
+    RETURNING jobs.id, jobs.queue, jobs.state, jobs.task, jobs.last_error, jobs.priority,
+              jobs.run_at
 ), woken AS (
-    SELECT pg_notify(%(channel)s, '0 ' || queue)
-    FROM (SELECT DISTINCT queue FROM requeued WHERE state = 'pending') AS q
+    -- (back behind the consumers' cursors: the payload says where, 0014_claim_cursor.sql)
+    SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(0, max(priority), min(run_at), queue))
+    FROM requeued WHERE state = 'pending' GROUP BY queue
 )
 SELECT d.id, d.attempts, r.id IS NOT NULL, r.state, r.task, r.last_error
 FROM due AS d LEFT JOIN requeued AS r ON r.id = d.id
@@ -487,9 +500,11 @@ WITH due AS MATERIALIZED (
 ), promoted AS (
     UPDATE {schema}.jobs AS j SET state = 'pending', updated_at = now()
     FROM due WHERE j.id = due.id AND j.state = 'scheduled'
-    RETURNING j.queue
+    RETURNING j.queue, j.priority, j.run_at
 ), woken AS (
-    SELECT pg_notify(%(channel)s, '0 ' || queue) FROM (SELECT DISTINCT queue FROM promoted) AS q
+    -- (due since run_at: behind the consumers' cursors, the payload says where)
+    SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(0, max(priority), min(run_at), queue))
+    FROM promoted GROUP BY queue
 )
 SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
 
@@ -526,11 +541,15 @@ WITH RECURSIVE marked(task) AS (
 ), promoted AS (
     UPDATE {schema}.jobs AS j SET state = 'pending', updated_at = now()
     FROM due WHERE j.id = due.id AND j.state = 'scheduled'
-    RETURNING j.queue
+    RETURNING j.queue, j.priority, j.run_at
 ), woken AS (
+    -- the promoted rows' place in the claim's order (0014_claim_cursor.sql); the released ones
+    -- (rare) wake their consumers without one: a claim from the head
+    SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(0, max(priority), min(run_at), queue))
+    FROM promoted GROUP BY queue
+    UNION ALL
     SELECT pg_notify(%(channel)s, '0 ' || queue)
-    FROM (SELECT queue FROM promoted
-          UNION SELECT queue FROM released WHERE state = 'pending') AS q
+    FROM (SELECT DISTINCT queue FROM released WHERE state = 'pending') AS q
 )
 SELECT (SELECT count(*) FROM promoted) + (SELECT count(*) FROM released),
        (SELECT count(*) FROM woken);
@@ -601,13 +620,14 @@ WITH gone AS MATERIALIZED (
     -- conditional on the very delivery that was found orphaned
     WHERE j.id = o.id AND j.state = 'running' AND j.attempts = o.attempts
       AND j.locked_by IS NOT DISTINCT FROM o.locked_by
-    RETURNING j.id, j.queue, j.state, j.task, j.attempts, j.last_error
+    RETURNING j.id, j.queue, j.state, j.task, j.attempts, j.last_error, j.priority, j.run_at
 ), forgotten AS (
     DELETE FROM {schema}.consumers WHERE id IN (SELECT id FROM gone)
     RETURNING id
 ), woken AS (
-    SELECT pg_notify(%(channel)s, '0 ' || queue)
-    FROM (SELECT DISTINCT queue FROM rescued WHERE state = 'pending') AS q
+    -- (back behind the consumers' cursors: the payload says where, 0014_claim_cursor.sql)
+    SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(0, max(priority), min(run_at), queue))
+    FROM rescued WHERE state = 'pending' GROUP BY queue
 )
 SELECT (SELECT count(*) FROM rescued WHERE state = 'pending'),
        (SELECT count(*) FROM rescued WHERE state = 'dead'),

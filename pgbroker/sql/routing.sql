@@ -89,7 +89,7 @@ WITH bound AS MATERIALIZED (
                     false)
     FROM bound WHERE bound.stored
     ON CONFLICT DO NOTHING
-    RETURNING queue, run_at
+    RETURNING queue, run_at, priority
 ), broadcast AS (
     INSERT INTO {schema}.broadcasts (id, exchange, routing_key, body, content_type,
                                      content_encoding, headers, properties, queues)
@@ -99,9 +99,10 @@ WITH bound AS MATERIALIZED (
     HAVING count(*) > 0
     RETURNING id, exchange
 ), notified AS (
-    SELECT pg_notify(%(channel)s,
-                     greatest(extract(epoch FROM run_at - now()), 0)::text || ' ' || queue)
-    FROM (SELECT DISTINCT ON (queue) queue, run_at FROM inserted) AS per_queue
+    -- (the job's place in the claim's order, as in job_insert)
+    SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(extract(epoch FROM run_at - now()),
+                                                             priority, run_at, queue))
+    FROM inserted
     UNION ALL
     SELECT pg_notify(%(channel)s, 'b ' || id::text || ' ' || exchange) FROM broadcast
 )

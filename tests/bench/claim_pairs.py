@@ -25,6 +25,7 @@ import uuid
 
 import psycopg
 
+from pgbroker._claims import after_params
 from pgbroker._sql import queries, without_comment_lines
 from pgbroker.migrate import Migration, apply
 from tests.bench.harness import DEFAULT_SERVER_URL, bench_database, empty_database, fill
@@ -79,7 +80,8 @@ def measure(url: str | dict[str, str], statements: dict[str, str],
     for i in range(pairs):
         for name in (names if i % 2 == 0 else names[::-1]):
             params = {"queue": "celery", "limit": 10, "consumer": consumer,
-                      "ids": [a[0] for a in acks[name]], "attempts": [a[1] for a in acks[name]]}
+                      "ids": [a[0] for a in acks[name]], "attempts": [a[1] for a in acks[name]],
+                      **after_params()}
             began = time.perf_counter()
             rows = conns[name].execute(statements[name], params, prepare=True).fetchall()
             times[name].append(time.perf_counter() - began)

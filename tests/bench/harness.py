@@ -449,7 +449,9 @@ def pgbench_scripts(db_url: str, sample: dict[str, Any], batch: int = 10) -> tup
                  "FROM updated WHERE state = 'running' \\gset\n")
         claim = _render(claim, {"queue": lit("pgbench_claim"), "limit": str(batch),
                                 "consumer": lit(uuid.uuid4()), "ids": "(:ids)",
-                                "attempts": "(:atts)"})
+                                "attempts": "(:atts)", "after_priority": "-256",
+                                "after_run_at": "'-infinity'",
+                                "after_id": lit(uuid.UUID(int=0))})
     return insert, claim
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgbroker._claims import after_params
 from pgbroker._sql import queries
 from pgbroker._pq import numbered as _numbered
 from pgbroker.ops import Operations
@@ -31,12 +32,13 @@ SAMPLE = {"task": "bench.noop", "routing_key": "celery", "body": b'[[], {}, {}]'
           "headers": {"task": "bench.noop"}, "properties": {}}
 
 PARAM_TYPES = {"queue": "text", "limit": "int", "consumer": "uuid", "ids": "uuid[]",
-               "attempts": "int[]"}
+               "attempts": "int[]", "after_priority": "smallint", "after_run_at": "timestamptz",
+               "after_id": "uuid"}
 
 
 def _params() -> dict[str, Any]:
     return {"queue": "celery", "limit": 10, "consumer": uuid.uuid4(),
-            "ids": [uuid.uuid4() for _ in range(10)], "attempts": [1] * 10}
+            "ids": [uuid.uuid4() for _ in range(10)], "attempts": [1] * 10, **after_params()}
 
 
 def _custom_plan(pg: psycopg.Connection, query: str) -> dict[str, Any]:

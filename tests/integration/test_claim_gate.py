@@ -12,6 +12,7 @@ import uuid
 import psycopg
 import pytest
 
+from pgbroker._claims import after_params
 from pgbroker._sql import queries
 from pgbroker._store import Store
 from tests.integration.transport_support import (
@@ -33,7 +34,8 @@ def plain_claim(pg: psycopg.Connection, queue: str,
                 acks: list[tuple[uuid.UUID, int]] = ()) -> list[tuple]:  # type: ignore[assignment]
     return pg.execute(queries("pgbroker")["job_claim"],
                       {"queue": queue, "limit": 10, "consumer": uuid.uuid4(),
-                       "ids": [a for a, _ in acks], "attempts": [n for _, n in acks]}).fetchall()
+                       "ids": [a for a, _ in acks], "attempts": [n for _, n in acks],
+                       **after_params()}).fetchall()
 
 
 def test_a_keyed_job_gates_its_queue_and_job_claim_yields_only_the_marker(

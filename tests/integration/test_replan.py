@@ -41,7 +41,8 @@ def grow(pg: psycopg.Connection, rows: int = 20_000) -> None:
 def claim_plan(conn: psycopg.Connection, statement: str) -> str:
     """EXPLAIN of ``statement``, a claim prepared on ``conn``, as that session would run it."""
     values = {"queue": "'replan'", "limit": "1", "consumer": f"'{uuid.uuid4()}'",
-              "ids": "'{}'", "attempts": "'{}'"}
+              "ids": "'{}'", "attempts": "'{}'", "after_priority": "-256",
+              "after_run_at": "'-infinity'", "after_id": f"'{uuid.UUID(int=0)}'"}
     _, names = _numbered(queries("pgbroker")["job_claim"])
     args = ", ".join(values[n] for n in names)
     return "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE {statement}({args})"))

@@ -20,6 +20,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 import pgbroker
+from pgbroker._claims import after_params
 from pgbroker._sql import queries
 from pgbroker.migrate import MIGRATIONS, apply
 from pgbroker.ops import Operations
@@ -51,7 +52,8 @@ def _claim_reads(pg: psycopg.Connection, queue: str) -> tuple[int, int]:
     """(rows the claim took, rows its scan of jobs read and threw away), by EXPLAIN ANALYZE of
     job_claim in a transaction rolled back."""
     claim = queries("pgbroker")["job_claim"]
-    params = {"queue": queue, "limit": 10, "consumer": uuid.uuid4(), "ids": [], "attempts": []}
+    params = {"queue": queue, "limit": 10, "consumer": uuid.uuid4(), "ids": [], "attempts": [],
+              **after_params()}
     with pg.transaction(force_rollback=True):
         plan = pg.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + claim, params).fetchone()[0][0]
 

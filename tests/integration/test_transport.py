@@ -25,6 +25,7 @@ import pytest
 from psycopg import ClientCursor
 
 import pgbroker._startup
+from pgbroker._claims import after_params
 from pgbroker._sql import queries
 from pgbroker._store import Store
 from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
@@ -857,7 +858,7 @@ def test_claim_query_plan_uses_the_partial_index(pg: psycopg.Connection, acks: i
     pg.execute("ANALYZE pgbroker.jobs")
     query = queries("pgbroker")["job_claim"]
     values = {"queue": "q1", "limit": 10, "consumer": uuid.uuid4(), "ids": running,
-              "attempts": [1] * len(running)}
+              "attempts": [1] * len(running), **after_params()}
     params = {name: values[name] for name in re.findall(r"%\((\w+)\)s", query)}
     with ClientCursor(pg) as cur:
         rows = cur.execute("EXPLAIN " + query, params).fetchall()

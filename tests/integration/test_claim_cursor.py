@@ -1,0 +1,182 @@
+"""The claim starts where the last one ended (issue 26, 0014_claim_cursor.sql), on a real server.
+
+* While a snapshot is held (VACUUM may remove no dead row version, nor may an index scan mark
+  one dead), 50,000 jobs go through a real kombu consumer: the claim statement's buffer reads,
+  from EXPLAIN (ANALYZE, BUFFERS) at the consumer's own starting place, stay flat, where the
+  same claim from the head of the queue (every claim before 0014) reads them all.
+* Rows that become pending behind the cursor -- a transaction that commits late, a higher
+  priority, a requeue, a promoted eta -- are claimed at once, woken by their NOTIFY alone (no
+  poll).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+
+from pgbroker._claims import HEAD, ClaimPolicy, Position, after_params
+from pgbroker._jobs import row_params
+from pgbroker._sql import queries
+from pgbroker._store import Store
+from pgbroker.settings import Settings
+from tests.integration.transport_support import (NO_POLL, LoopConsumer, connect, db_now,
+                                                 drain_until, new_job, publish, store_for)
+
+QUEUE = "cursor"
+
+
+@pytest.fixture
+def held_snapshot(db_url: str) -> Iterator[None]:
+    """A transaction that holds the xmin horizon, as a report, pg_dump or a forgotten BEGIN."""
+    with psycopg.connect(db_url) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT txid_current(), count(*) FROM pgbroker.jobs")
+        yield
+        holder.rollback()
+
+
+def claim_buffers(pg: psycopg.Connection, after: Position) -> int:
+    """Shared buffers job_claim reads to take 10 jobs of QUEUE after ``after`` (rolled back)."""
+    params = {"queue": QUEUE, "limit": 10, "consumer": uuid.uuid4(), "ids": [], "attempts": [],
+              **after_params(after)}
+    with pg.transaction(force_rollback=True):
+        plan = pg.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+                          + queries("pgbroker")["job_claim"], params).fetchone()[0][0]["Plan"]
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+def test_the_claim_reads_no_more_while_a_held_snapshot_keeps_50000_dead_versions(
+        db_url: str, broker_url: str, pg: psycopg.Connection, held_snapshot: None) -> None:
+    rounds, batch = 500, 100
+    store = store_for(db_url)
+    done: list[Any] = []
+    measured: dict[int, tuple[int, int]] = {}
+    with connect(broker_url, **NO_POLL) as conn:
+        channel = conn.channel()
+        consumer = kombu.Consumer(channel, [kombu.Queue(QUEUE)], accept=["json"],
+                                  callbacks=[lambda body, message: (done.append(1),
+                                                                    message.ack())],
+                                  prefetch_count=10)
+        consumer.consume()
+        try:
+            for n in range(rounds):
+                jobs = [new_job(QUEUE, n) for _ in range(batch)]
+                store.insert_many(jobs)
+                if n in (50, rounds - 1):
+                    # where the consumer's next claim starts once it has read the NOTIFY
+                    first = pg.execute("SELECT run_at FROM pgbroker.jobs WHERE id = %s",
+                                       (jobs[0].id,)).fetchone()[0]
+                    here: Position = (0, first, uuid.UUID(int=0))
+                    measured[n] = (claim_buffers(pg, here), claim_buffers(pg, HEAD))
+                drain_until(conn, lambda: len(done) == (n + 1) * batch,
+                            what=lambda: f"{len(done)} of {(n + 1) * batch} delivered")
+        finally:
+            store.close()
+    dead = pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE state = 'completed'").fetchone()
+    assert dead[0] == rounds * batch
+    (early, early_head), (late, late_head) = measured[50], measured[rounds - 1]
+    print(f"\nclaim buffers after 5,000 / 50,000 jobs: cursor {early} / {late}, "
+          f"from the head {early_head} / {late_head}")
+    # flat: the 45,000 claimed rows in between are never read again ...
+    assert late <= 1.25 * early + 10, measured
+    # ... where a claim from the head reads every one of them: the snapshot held them all
+    assert late_head >= 4 * early_head and late_head >= 10 * late, measured
+
+
+@pytest.fixture
+def loop(broker_url: str) -> Iterator[LoopConsumer]:
+    """A worker-like consumer on an event loop, prefetch 1, woken by NOTIFY alone (no poll): a
+    claim of one row fills its batch, so its cursor stays on that row."""
+    with connect(broker_url, **NO_POLL) as conn:
+        yield LoopConsumer(conn, QUEUE, prefetch=1)
+
+
+def test_a_job_whose_transaction_commits_after_later_jobs_were_claimed_is_claimed(
+        loop: LoopConsumer, broker_url: str, db_url: str) -> None:
+    with psycopg.connect(db_url) as late, connect(broker_url) as producer:
+        late.execute("SELECT now()")  # its jobs' run_at: this transaction's start
+        publish(producer, "after", QUEUE)
+        loop.run_until(lambda: len(loop.received) == 1)
+        params = {**row_params(new_job(QUEUE, "before")), "channel": Settings().channel}
+        late.execute(queries("pgbroker")["job_insert"], params)
+        late.commit()
+        loop.run_until(lambda: len(loop.received) == 2)
+    assert [m.payload for m in loop.received] == ["after", "before"]
+
+
+def test_a_higher_priority_job_is_claimed_before_the_cursor(loop: LoopConsumer,
+                                                            broker_url: str) -> None:
+    with connect(broker_url) as producer:
+        for body in ("one", "two"):
+            publish(producer, body, QUEUE)
+            loop.run_until(lambda: loop.received and loop.received[-1].payload == body)
+        publish(producer, "urgent", QUEUE, priority=9)
+        loop.run_until(lambda: len(loop.received) == 3)
+    assert loop.received[-1].payload == "urgent"
+
+
+def test_a_requeued_job_goes_back_behind_the_cursor_and_is_claimed(broker_url: str) -> None:
+    with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+        loop = LoopConsumer(conn, QUEUE, prefetch=1, ack=False)
+        publish(producer, "again", QUEUE)
+        loop.run_until(lambda: len(loop.received) == 1)
+        publish(producer, "later", QUEUE)
+        loop.received[0].requeue()
+        loop.run_until(lambda: len(loop.received) == 2)
+        loop.received[1].ack()
+        loop.run_until(lambda: len(loop.received) == 3)
+        loop.received[2].ack()
+    # redelivered first: its place (its run_at) is before the later job's
+    assert [m.payload for m in loop.received] == ["again", "again", "later"]
+
+
+def test_a_promoted_eta_job_is_claimed(loop: LoopConsumer, db_url: str,
+                                       pg: psycopg.Connection) -> None:
+    store = store_for(db_url)
+    try:
+        store.insert(new_job(QUEUE, "first"))
+        loop.run_until(lambda: len(loop.received) == 1)
+        store.insert(new_job(QUEUE, "eta", run_at=db_now(pg) + timedelta(seconds=0.5)))
+        store.insert(new_job(QUEUE, "now"))
+        loop.run_until(lambda: len(loop.received) == 3)
+    finally:
+        store.close()
+    assert [m.payload for m in loop.received] == ["first", "now", "eta"]
+
+
+def test_the_drain_path_keeps_a_cursor_too(broker_url: str, db_url: str) -> None:
+    """``drain_events`` (plain kombu, celery inspect) claims with the same policy."""
+    received: list[Any] = []
+    with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+        channel = conn.channel()
+        consumer = kombu.Consumer(channel, [kombu.Queue(QUEUE)], accept=["json"],
+                                  callbacks=[lambda body, m: (received.append(body), m.ack())],
+                                  prefetch_count=1)
+        consumer.consume()
+        publish(producer, "a", QUEUE)
+        drain_until(conn, lambda: len(received) == 1)
+        policy: ClaimPolicy = channel.claims
+        assert policy.after(QUEUE) != HEAD  # past "a"
+        publish(producer, "b", QUEUE, priority=5)
+        drain_until(conn, lambda: len(received) == 2)
+    assert received == ["a", "b"]
+
+
+def test_store_claim_takes_only_the_rows_after_its_place(store: Store, pg: psycopg.Connection
+                                                         ) -> None:
+    jobs = [new_job(QUEUE, n) for n in range(4)]
+    store.insert_many(jobs)
+    consumer = uuid.uuid4()
+    pg.execute("INSERT INTO pgbroker.consumers (id, host, pid) VALUES (%s, 'test', 1)",
+               (consumer,))
+    first = store.claim(QUEUE, 2, consumer)
+    assert [r.id for r in first] == [j.id for j in jobs[:2]]
+    last = first[-1]
+    rest = store.claim(QUEUE, 10, consumer, after=(-last.priority, last.run_at, last.id))
+    assert [r.id for r in rest] == [j.id for j in jobs[2:]]
