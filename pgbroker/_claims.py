@@ -10,6 +10,7 @@ limits: see ``sql/queries.sql``), then by ``job_claim_gated``. What a claim retu
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ __all__ = ["after_params", "ClaimPolicy", "Claimed", "Delivery", "HEAD", "JobRow
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05
+#: Seconds claims wait after one failed on a living connection: doubling from the first to the
+#: second, reset by a claim that runs.
+FAILED_CLAIM_WAIT = (0.5, 30.0)
+
+logger = logging.getLogger(__name__)
 
 Delivery = tuple[uuid.UUID, int]
 
@@ -134,6 +140,7 @@ class ClaimPolicy:
         self._after: dict[str, Position] = {}  # a queue's cursor (absent: HEAD)
         #: the queue whose claim is in flight: the lowest place named since it was sent
         self._flight: dict[str, Position] = {}
+        self._failed_wait = 0.0  # how long claims wait after this failure (see failed)
 
     def may_find(self, queues: list[str]) -> bool:
         """Event loop: a claim is worth sending (something may be there, or the round goes on)."""
@@ -206,12 +213,28 @@ class ClaimPolicy:
         more may be waiting, in a new round; else a NOTIFY, a due timer or the poll says when."""
         if found:
             self.quiet_until = 0.0
+            self._failed_wait = 0.0
         elif self.woken:
             self.quiet_until = monotonic() + WAKE_COALESCE
         self.woken = False
         if full:
             self.more = True
             self._round = []
+
+    def failed(self, exc: Exception) -> float:
+        """A claim failed on a living connection (a full disk, a statement timeout): no lost
+        connection, so the consumer is not restarted. Claims wait (:data:`FAILED_CLAIM_WAIT`,
+        doubling), then start again from the head; returns when (monotonic)."""
+        first, most = FAILED_CLAIM_WAIT
+        self._failed_wait = min(max(2 * self._failed_wait, first), most)
+        logger.warning("pgbroker: a claim failed on a living connection (SQLSTATE %s: %s); "
+                       "claims wait %ss", getattr(exc, "sqlstate", None),
+                       str(exc).strip().splitlines()[0] if str(exc).strip() else exc,
+                       self._failed_wait)
+        self.quiet_until = monotonic() + self._failed_wait
+        self.more, self.held_wake, self._round = False, True, []
+        self.rescan()
+        return self.quiet_until
 
     def wake(self) -> bool:
         """A NOTIFY says a job is due in a consumed queue: claim. Any role that can connect can

@@ -277,9 +277,16 @@ class Consumer:
         for queue in policy.round(queues):
             want = limit - delivered
             locked: list[Delivery] = []
-            rows = policy.took(queue, self.store.claim(queue, want, consumer, policy.take_acks(),
-                                                       locked, policy.gated(queue),
-                                                       policy.start(queue)), want)
+            try:
+                rows = policy.took(queue, self.store.claim(
+                    queue, want, consumer, policy.take_acks(), locked, policy.gated(queue),
+                    policy.start(queue)), want)
+            except psycopg.Error as exc:  # (its acks are in locked: see Store.claim)
+                if _db.lost_connection(exc):
+                    raise
+                self.settle_later("ack", locked)
+                self.wake_at(policy.failed(exc))
+                return delivered
             self.settle_later("ack", locked)
             full = full or len(rows) >= want
             delivered += self.hand_over_rows(channel, queue, rows)
@@ -512,13 +519,24 @@ class Consumer:
 
     def _take_result(self) -> None:
         """Hand over the rows of the claim in flight, if it has finished."""
-        if self.line is None or (rows := self.line.result()) is None:
+        if self.line is None:
+            return
+        failure = None
+        try:
+            rows = self.line.result()
+        except psycopg.Error as exc:  # a claim that failed on a living connection: wait
+            if _db.lost_connection(exc) or self.in_flight is None:
+                raise
+            rows, failure = [], exc
+        if rows is None:
             return
         self.settle_later("ack", self.line.take_locked())
         claim, self.in_flight = self.in_flight, None
         if claim is not None:
             channel, queue, want = claim
             self._claimed(channel, queue, want, rows)
+            if failure is not None:
+                self.wake_at(channel.claims.failed(failure))
 
     def _turn(self) -> None:
         """One turn of the event loop: send a claim (with the deferred acks) for a channel that

@@ -363,7 +363,9 @@ def notifications(conn: psycopg.Connection[Any], what: str = "the LISTEN connect
 
 @contextlib.contextmanager
 def translate_errors(what: str) -> Iterator[None]:
-    """Turn driver connection errors into :class:`DatabaseUnavailable` (``__cause__`` kept)."""
+    """Turn driver errors that mean the connection is gone (:func:`lost_connection`) into
+    :class:`DatabaseUnavailable` (``__cause__`` kept); a statement that failed on a living
+    connection (a full disk, a timeout, a deadlock) is raised as psycopg raised it."""
     try:
         yield
     except PgBrokerError:
@@ -372,10 +374,30 @@ def translate_errors(what: str) -> Iterator[None]:
         # a standby reached without target_session_attrs, or a demoted primary: as good as gone
         raise DatabaseUnavailable(f"{what}: the server is read-only: {_first_line(exc)}") from exc
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.TransactionRollback,
-                            psycopg.errors.LockNotAvailable)):
-            raise  # a timeout, a deadlock, a lock_timeout: the statement failed, not the link
+        if not lost_connection(exc):
+            raise
         raise DatabaseUnavailable(f"{what}: {_first_line(exc)}") from exc
+
+
+#: SQLSTATEs that end the session (besides class 08, connection exceptions): the server shuts
+#: down or crashed, it cannot take connections now, the session was terminated or timed out.
+_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
+
+
+def lost_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` means the connection is gone -- reconnect -- rather than that a statement
+    failed on a living one. psycopg raises ``OperationalError`` for both: a full disk (53100),
+    out of memory (53200), a statement timeout (57014) and a lock timeout (55P03) leave the
+    session alive, and restarting a consumer for them claims new jobs it cannot settle either
+    (DESIGN.md). An error with no SQLSTATE came from libpq, not from the server: the link."""
+    if isinstance(exc, (DatabaseUnavailable, psycopg.InterfaceError)):
+        return True
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate
+        if state is None:
+            return isinstance(exc, psycopg.OperationalError)
+        return state.startswith("08") or state in _SESSION_ENDED
+    return isinstance(exc, OSError)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -160,6 +160,15 @@ class LoopStatements:
                     self._send(name, values, acks)
                     continue
                 self._retries = 0
+                if acks and not _db.lost_connection(error):
+                    # Failed on a living connection (a full disk, a timeout, a trigger): the
+                    # acks' updates may be what failed. They go to job_ack, tried again until
+                    # made (pgbroker._settle); the claim is sent again without them.
+                    self._locked.extend(acks)
+                    if name != b"pgbroker_ack":
+                        self._send(name, self._without_acks(name, values), [])
+                        continue
+                    return []
                 raise error
             self._retries = 0
             self._tx.set_pgresult(res)

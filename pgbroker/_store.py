@@ -321,6 +321,14 @@ class Store:
                 _keep_locked(list(zip(ids, attempts)), locked, "ack")
                 ids, attempts = [], []
                 params.update(ids=ids, attempts=attempts)
+            except psycopg.Error as exc:
+                if not ids or _db.lost_connection(exc):
+                    raise
+                # failed on a living connection (a full disk, a timeout): the acks go to job_ack,
+                # tried again until made (pgbroker._settle), and the claim is made without them
+                _keep_locked(list(zip(ids, attempts)), locked, "ack")
+                ids, attempts = [], []
+                params.update(ids=ids, attempts=attempts)
         return Claimed.of(_outcomes.claimed([JobRow(*row) for row in rows]),
                           gated=name == "job_claim_gated")
 
