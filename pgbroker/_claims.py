@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any
 
-__all__ = ["after_params", "ClaimPolicy", "Claimed", "Delivery", "HEAD", "JobRow", "Position", "WAKE_COALESCE",
+__all__ = ["after_params", "ClaimPolicy", "EARLIEST", "Claimed", "Delivery", "HEAD", "JobRow", "Position", "WAKE_COALESCE",
            "is_gate_marker", "parse_wake"]
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
@@ -35,8 +35,10 @@ Delivery = tuple[uuid.UUID, int]
 #: rows after it (0014_claim_cursor.sql).
 Position = tuple[int, datetime, uuid.UUID]
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+#: The first run_at: a promotion of scheduled jobs from the first one (job_promote's cursor).
+EARLIEST = datetime.min.replace(tzinfo=timezone.utc)
 #: Before every row: a claim from the head of the queue.
-HEAD: Position = (-256, datetime.min.replace(tzinfo=timezone.utc), uuid.UUID(int=0))
+HEAD: Position = (-256, EARLIEST, uuid.UUID(int=0))
 #: After every row: nothing was left to claim (until a wake-up names a place).
 END: Position = (256, datetime.max.replace(tzinfo=timezone.utc), uuid.UUID(int=2**128 - 1))
 

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 
 from . import _db
-from ._claims import WAKE_COALESCE, ClaimPolicy, Claimed, Delivery, JobRow, parse_wake
+from ._claims import EARLIEST, WAKE_COALESCE, ClaimPolicy, Claimed, Delivery, JobRow, parse_wake
 from ._lease import Lease
 from ._loop import LoopStatements
 from ._delivery import Broadcasts, broadcast_payload, row_payload
@@ -71,6 +71,9 @@ class Consumer:
         self._due_at: float | None = None
         self._due_dirty = False  # a scheduled job was published: recompute the next due time
         self._due_checked_at = 0.0  # when _refresh_due last asked the database
+        #: where the next promotion of scheduled jobs starts (job_promote): a NOTIFY of a job
+        #: scheduled behind it, and the poll, move it back
+        self._promoted_to = EARLIEST
         self._wake: tuple[int, int] | None = None  # self-pipe waking the event loop for a turn
         self._turn_requested = False
         self._last_poll = monotonic()
@@ -152,7 +155,7 @@ class Consumer:
         channel.claims.more = True
         self._credit = 0
         self.request_turn()
-        self.schedule_due(self.store.next_due([queue]))
+        self.schedule_due(self.store.next_due([queue], self._promoted_to))
 
     def reset_credit(self) -> None:
         """A consumer started or stopped: ``drain``'s next empty call waits again."""
@@ -344,6 +347,7 @@ class Consumer:
                         # the payload's delay was measured at INSERT, not at COMMIT: ask the
                         # database clock once per loop turn, however many arrived
                         self._due_dirty = True
+                        self._promoted_to = min(self._promoted_to, place[1])
         return delivered
 
     def _deliver_broadcast(self, broadcast_id: str, exchange: str) -> int:
@@ -404,11 +408,13 @@ class Consumer:
         queues = self.queues()
         if not queues:
             return
-        if self.store.promote(queues):
+        reached: list[Any] = []
+        if self.store.promote(queues, after=self._promoted_to, reached=reached):
             for channel in self.channels:
                 channel.claims.more = True
             self.request_turn()
-        delay = self.store.next_due(queues)
+        self._promoted_to = reached[0] if reached else EARLIEST
+        delay = self.store.next_due(queues, self._promoted_to)
         # a due time already reached but not promoted (LIMIT, or a race): try again shortly
         self.schedule_due(None if delay is None else max(delay, 0.005))
 
@@ -422,12 +428,13 @@ class Consumer:
         self._due_checked_at = monotonic()
         queues = self.queues()
         if queues:
-            self.schedule_due(self.store.next_due(queues))
+            self.schedule_due(self.store.next_due(queues, self._promoted_to))
 
     def _poll(self) -> None:
         """The fallback for lost notifications (claim anyway, check due jobs) and readable events
         (a finished result in libpq's buffer: no claim goes out before it is taken)."""
         self._last_poll = monotonic()
+        self._promoted_to = EARLIEST  # (the poll is the fallback for lost notifications)
         self._take_result()
         for channel in self.channels:
             channel.claims.more = True

@@ -24,7 +24,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import _db, _outcomes, _pq
-from ._claims import HEAD, Claimed, JobRow, Position, after_params, is_gate_marker
+from ._claims import EARLIEST, HEAD, Claimed, JobRow, Position, after_params, is_gate_marker
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
 from ._text import escape, register_jsonb_loaders
@@ -332,15 +332,21 @@ class Store:
         return Claimed.of(_outcomes.claimed([JobRow(*row) for row in rows]),
                           gated=name == "job_claim_gated")
 
-    def promote(self, queues: Sequence[str], limit: int = 1000) -> int:
+    def promote(self, queues: Sequence[str], limit: int = 1000, after: datetime = EARLIEST,
+                reached: list[datetime] | None = None) -> int:
+        """Make the due scheduled jobs of ``queues`` with a run_at from ``after`` on pending;
+        how many. ``reached``: gets where the next promotion may start (job_promote)."""
         row = self._execute("job_promote", {"queues": list(queues), "limit": limit,
-                                            "channel": self.settings.channel},
+                                            "channel": self.settings.channel, "after": after},
                             durable=False).fetchone()
+        if reached is not None and row is not None and row[2] is not None:
+            reached.append(row[2])
         return int(row[0]) if row else 0
 
-    def next_due(self, queues: Sequence[str]) -> float | None:
-        """Seconds (database clock) until the earliest scheduled job of ``queues`` is due."""
-        row = self._execute("job_next_due", {"queues": list(queues)}).fetchone()
+    def next_due(self, queues: Sequence[str], after: datetime = EARLIEST) -> float | None:
+        """Seconds (database clock) until the earliest scheduled job of ``queues`` (with a
+        run_at from ``after`` on) is due."""
+        row = self._execute("job_next_due", {"queues": list(queues), "after": after}).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
     def ack(self, deliveries: Iterable[tuple[uuid.UUID, int]], delete: bool = False,

@@ -491,9 +491,16 @@ FROM due AS d LEFT JOIN buried AS b ON b.id = d.id;
 -- name: job_promote
 -- Scheduled jobs that are due become claimable. Several consumers may run this at once: SKIP
 -- LOCKED and the state test make it idempotent. Wakes the consumers of the promoted queues.
+-- A consumer's promotions start where its last one ended (%(after)s, an index condition, as the
+-- claim's cursor: 0014_claim_cursor.sql): the rows it promoted before, whose 'scheduled'
+-- versions a held snapshot keeps in jobs_scheduled_idx, are not walked again. It says where the
+-- next one may start (reached): its own time when it took all that was due, else the last
+-- run_at it took. A row that becomes due behind that place (a transaction that committed late)
+-- names its run_at in its NOTIFY; the sweeper's job_promote_all walks every queue from the start.
 WITH due AS MATERIALIZED (
     SELECT id FROM {schema}.jobs
     WHERE state = 'scheduled' AND queue = ANY(%(queues)s) AND run_at <= now()
+      AND run_at >= %(after)s::timestamptz
     ORDER BY queue, run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -506,7 +513,9 @@ WITH due AS MATERIALIZED (
     SELECT pg_notify(%(channel)s, {schema}.jobs_wake_payload(0, max(priority), min(run_at), queue))
     FROM promoted GROUP BY queue
 )
-SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken);
+SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken),
+       CASE WHEN (SELECT count(*) FROM due) < %(limit)s THEN now()
+            ELSE (SELECT max(run_at) FROM promoted) END AS reached;
 
 -- name: job_promote_all
 -- The sweeper's promotion, for every queue (plain kombu consumers have no timers). It also
@@ -556,10 +565,11 @@ SELECT (SELECT count(*) FROM promoted) + (SELECT count(*) FROM released),
 
 -- name: job_next_due
 -- Seconds until the earliest scheduled job of these queues is due (NULL: none). Measured by the
--- database clock, the only clock pgbroker trusts.
+-- database clock, the only clock pgbroker trusts. From the consumer's promotion cursor on (see
+-- job_promote): what is behind it was promoted, or is named by a NOTIFY.
 SELECT extract(epoch FROM min(run_at) - now())::float8
 FROM {schema}.jobs
-WHERE state = 'scheduled' AND queue = ANY(%(queues)s);
+WHERE state = 'scheduled' AND queue = ANY(%(queues)s) AND run_at >= %(after)s::timestamptz;
 
 -- name: job_expire
 -- Pending or scheduled messages past their expiry are never delivered: marked 'expired', so they

@@ -7,20 +7,22 @@
 * Rows that become pending behind the cursor -- a transaction that commits late, a higher
   priority, a requeue, a promoted eta -- are claimed at once, woken by their NOTIFY alone (no
   poll).
+* The promotion of scheduled jobs (countdown, eta, retries) keeps a cursor of its own, with the
+  same guarantees.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import kombu
 import psycopg
 import pytest
 
-from pgbroker._claims import HEAD, ClaimPolicy, Position, after_params
+from pgbroker._claims import EARLIEST, HEAD, ClaimPolicy, Position, after_params
 from pgbroker._jobs import row_params
 from pgbroker._sql import queries
 from pgbroker._store import Store
@@ -180,3 +182,54 @@ def test_store_claim_takes_only_the_rows_after_its_place(store: Store, pg: psyco
     last = first[-1]
     rest = store.claim(QUEUE, 10, consumer, after=(-last.priority, last.run_at, last.id))
     assert [r.id for r in rest] == [j.id for j in jobs[2:]]
+
+
+def promote_buffers(pg: psycopg.Connection, after: datetime) -> int:
+    """Shared buffers job_promote reads to promote QUEUE's due jobs from ``after`` (rolled back)."""
+    params = {"queues": [QUEUE], "limit": 1000, "channel": Settings().channel, "after": after}
+    with pg.transaction(force_rollback=True):
+        plan = pg.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+                          + queries("pgbroker")["job_promote"], params).fetchone()[0][0]["Plan"]
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+def test_promotions_read_no_more_while_a_held_snapshot_keeps_20000_promoted_versions(
+        store: Store, pg: psycopg.Connection, held_snapshot: None) -> None:
+    """Delayed work (countdown, eta, retries with backoff) waits 'scheduled' and is promoted when
+    due: the promoted rows' old versions stay in jobs_scheduled_idx as the claimed ones in
+    jobs_claim_idx, and job_promote starts after them too."""
+    after, measured = EARLIEST, {}
+    for n in range(200):
+        # 100 jobs that were scheduled and are due by now (a fabricated state: their countdown
+        # ran out)
+        pg.execute("INSERT INTO pgbroker.jobs (id, queue, body, state, run_at) "
+                   "SELECT gen_random_uuid(), %s, '\\x', 'scheduled', clock_timestamp() "
+                   "FROM generate_series(1, 100)", (QUEUE,))
+        reached: list[datetime] = []
+        assert store.promote([QUEUE], after=after, reached=reached) == 100
+        after = reached[0]
+        if n in (20, 199):  # what the next promotion reads to find that nothing is due
+            measured[n] = (promote_buffers(pg, after), promote_buffers(pg, EARLIEST))
+    (early, early_all), (late, late_all) = measured[20], measured[199]
+    print(f"\npromotion buffers after 2,000 / 20,000 promoted: cursor {early} / {late}, "
+          f"from the first {early_all} / {late_all}")
+    assert late <= 1.25 * early + 10, measured
+    assert late_all >= 4 * early_all and late_all >= 10 * late, measured
+
+
+def test_a_scheduled_job_whose_transaction_commits_after_a_later_one_was_promoted_runs(
+        loop: LoopConsumer, broker_url: str, db_url: str, pg: psycopg.Connection) -> None:
+    store = store_for(db_url)
+    with psycopg.connect(db_url) as late:
+        try:
+            started = late.execute("SELECT now()").fetchone()[0]  # its run_at's clock
+            store.insert(new_job(QUEUE, "soon", run_at=db_now(pg) + timedelta(seconds=0.3)))
+            loop.run_until(lambda: len(loop.received) == 1)  # promoted: the cursor is past it
+            params = {**row_params(new_job(QUEUE, "late", run_at=started + timedelta(
+                seconds=0.2))), "channel": Settings().channel}
+            late.execute(queries("pgbroker")["job_insert"], params)
+            late.commit()
+            loop.run_until(lambda: len(loop.received) == 2)
+        finally:
+            store.close()
+    assert [m.payload for m in loop.received] == ["soon", "late"]
