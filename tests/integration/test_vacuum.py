@@ -1,13 +1,129 @@
-"""VACUUM's side of the queue, against the real server (issue 26): migration 0015's autovacuum
-settings of the hot tables.
+"""VACUUM's side of the queue, against the real server (issue 26): who holds back its horizon
+(a held transaction id, a REPEATABLE READ snapshot) as ``pgbroker stats``, ``pgbroker health
+vacuum``, ``/metrics`` and the admin page show it, a role without pg_read_all_stats, and
+migration 0015's settings.
+
+The server is shared: other sessions (other tests, other databases) may hold the horizon too,
+so each test looks for its own holder among those shown, by pid and application name.
 """
 
 from __future__ import annotations
 
-import psycopg
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
-HOT_TABLES = ("jobs", "consumers", "queues", "concurrency_keys", "rate_limits", "broadcasts",
-              "task_losses")
+import psycopg
+import pytest
+from flask.testing import FlaskClient
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pgbroker import _vacuum
+from pgbroker.metrics import MetricsReader, prometheus_registry
+from tests.support.processes import Run, wait_for
+
+APP = "report-left-open"
+
+
+@pytest.fixture(params=["transaction", "snapshot"])
+def holder(request: pytest.FixtureRequest, db_url: str) -> Iterator[psycopg.Connection]:
+    """A session holding back the horizon: ``BEGIN; SELECT txid_current();`` (kind
+    'transaction'), or a REPEATABLE READ transaction that has read a table (kind 'snapshot');
+    ``conn.kind`` says which."""
+    conn = psycopg.connect(db_url, application_name=APP)
+    if request.param == "transaction":
+        conn.execute("SELECT txid_current()")
+    else:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.execute("SELECT count(*) FROM pgbroker.jobs")
+    conn.kind = request.param  # type: ignore[attr-defined]
+    yield conn
+    conn.close()
+
+
+def mine(holders: list[dict[str, Any]], conn: psycopg.Connection) -> dict[str, Any]:
+    """The holder that is ``conn``'s session."""
+    found = [h for h in holders if h["pid"] == conn.info.backend_pid]
+    assert len(found) == 1, holders
+    return found[0]
+
+
+def test_stats_and_health_show_the_holder(holder: psycopg.Connection, cli: Run) -> None:
+    code, out, _ = cli("stats", "--json")
+    assert code == 0
+    report = json.loads(out)["vacuum"]
+    h = mine(report["holders"], holder)
+    assert (h["kind"], h["name"], h["state"]) == (holder.kind, APP, "idle in transaction")
+    assert h["query"].startswith("SELECT") and h["age"] > 0 and not h["hidden"]
+    assert report["horizon_age_seconds"] >= h["age"]
+    assert [t["table"] for t in report["tables"]] == list(_vacuum.HOT_TABLES)
+
+    code, out, _ = cli("stats")
+    line = next(x for x in out.splitlines() if f"pid {holder.info.backend_pid} " in x)
+    assert holder.kind in line and APP in line and "idle in transaction" in line
+
+    code, out, _ = cli("health", "vacuum", "--max-age", "0")
+    verdict = json.loads(out)
+    assert (code, verdict["status"]) == (3, "stale")
+    assert mine(verdict["holders"], holder)["name"] == APP
+    holder.rollback()  # released: nothing of this session is left to show
+    code, out, _ = cli("health", "vacuum", "--max-age", "0")
+    assert all(h["pid"] != holder.info.backend_pid for h in json.loads(out)["holders"])
+
+
+def test_metrics_show_the_holder(holder: psycopg.Connection, pg: psycopg.Connection) -> None:
+    reader = MetricsReader()
+    text = generate_latest(prometheus_registry(lambda: reader.snapshot(pg))).decode()
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples
+               if not s.labels}
+    assert samples["pgbroker_xmin_horizon_age_seconds"].value > 0
+    assert samples["pgbroker_xmin_horizon_age_xids"].value >= 0
+    held = [s for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "pgbroker_xmin_horizon_holder_age_xids"
+            and s.labels["pid"] == str(holder.info.backend_pid)]
+    assert [(s.labels["kind"], s.labels["application_name"], s.labels["state"]) for s in held] \
+        == [(holder.kind, APP, "idle in transaction")]
+    tables = {s.labels["table"]: s.value for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name == "pgbroker_table_dead_tuples"}
+    assert set(tables) == set(_vacuum.HOT_TABLES)
+    assert 'pgbroker_table_autovacuum{table="jobs"} 0.0' in text  # off on the test server
+
+
+def test_the_admin_page_shows_the_holder(db_url: str, client: FlaskClient) -> None:
+    conn = psycopg.connect(db_url, application_name=APP)
+    pid = conn.info.backend_pid
+    try:
+        conn.execute("SELECT txid_current()")
+        page = client.get("/overview/live").text
+        assert f'<tr data-pid="{pid}"><td>transaction</td>' in page
+        assert f"<td>{APP}</td>" in page and "SELECT txid_current()" in page
+        assert '<tr data-table="consumers">' in page
+    finally:
+        conn.close()
+    wait_for(lambda: f'data-pid="{pid}"' not in client.get("/overview/live").text, 10)
+
+
+def test_a_role_without_pg_read_all_stats_sees_pid_application_and_age_in_xids(
+        database_url: str, db_url: str) -> None:
+    role = f"pgbroker_nostats_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    held = psycopg.connect(db_url, application_name=APP)  # a superuser's session
+    try:
+        held.execute("SELECT txid_current()")
+        with psycopg.connect(db_url, user=role, autocommit=True) as conn:
+            [h] = [h for h in _vacuum.holders(conn, "pgbroker", limit=50)
+                   if h.pid == held.info.backend_pid]
+        assert (h.kind, h.name, h.hidden, h.state, h.age) == ("transaction", APP, True, None,
+                                                              None)
+        assert h.xid_age >= 0 and "grant pg_read_all_stats" in h.describe()
+    finally:
+        held.close()
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f'DROP ROLE "{role}"')
 
 
 def test_migration_0015_sets_the_hot_tables_autovacuum(pg: psycopg.Connection) -> None:
@@ -15,11 +131,11 @@ def test_migration_0015_sets_the_hot_tables_autovacuum(pg: psycopg.Connection) -
         "SELECT c.relname, c.reloptions FROM pg_class AS c"
         " JOIN pg_namespace AS n ON n.oid = c.relnamespace"
         " WHERE n.nspname = 'pgbroker' AND c.relname = ANY(%s)",
-        (list(HOT_TABLES),)).fetchall())
-    assert set(options) == set(HOT_TABLES)
+        (list(_vacuum.HOT_TABLES),)).fetchall())
+    assert set(options) == set(_vacuum.HOT_TABLES)
     assert {"autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000",
             "autovacuum_vacuum_insert_scale_factor=0.01",
             "autovacuum_vacuum_cost_limit=2000", "fillfactor=90"} <= set(options["jobs"])
-    for table in HOT_TABLES[1:]:
+    for table in _vacuum.HOT_TABLES[1:]:
         assert {"autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=200",
                 "autovacuum_vacuum_cost_delay=0"} <= set(options[table]), table
