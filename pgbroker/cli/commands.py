@@ -246,8 +246,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
     try:
         store.connect()  # checks the schema: a clear error now, not in the loop
+        # one sweeper for the loop: it warns of a held horizon once, not at every pass
+        sweeper = Sweeper(store, background_vacuum=False)
         while True:
-            result = Sweeper(store).run_once()
+            result = sweeper.run_once()
             if result or not args.loop:
                 print("sweep: " + ", ".join(f"{k} {v}" for k, v in vars(result).items()),
                       flush=True)

@@ -1,7 +1,8 @@
 """VACUUM's side of the queue, against the real server (issue 26): who holds back its horizon
 (a held transaction id, a REPEATABLE READ snapshot) as ``pgbroker stats``, ``pgbroker health
-vacuum``, ``/metrics`` and the admin page show it, a role without pg_read_all_stats, and
-migration 0015's settings.
+vacuum``, ``/metrics`` and the admin page show it, a role without pg_read_all_stats, the
+worker's WARNING, migration 0015's settings, and the sweeper's VACUUM when autovacuum is off
+(it is off on the shared test server).
 
 The server is shared: other sessions (other tests, other databases) may hold the horizon too,
 so each test looks for its own holder among those shown, by pid and application name.
@@ -9,10 +10,13 @@ so each test looks for its own holder among those shown, by pid and application 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -22,7 +26,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pgbroker import _vacuum
+from pgbroker._store import Store
 from pgbroker.metrics import MetricsReader, prometheus_registry
+from pgbroker.sweeper import Sweeper
+from tests.support.db import db_now
 from tests.support.processes import Run, wait_for
 
 APP = "report-left-open"
@@ -126,6 +133,41 @@ def test_a_role_without_pg_read_all_stats_sees_pid_application_and_age_in_xids(
             admin.execute(f'DROP ROLE "{role}"')
 
 
+def warnings_of(caplog: pytest.LogCaptureFixture, pid: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "pgbroker._vacuum"
+            and r.levelno == logging.WARNING and f"pid {pid} " in r.getMessage()]
+
+
+def test_the_worker_warns_once_per_holder_held_too_long(
+        store: Store, pg: psycopg.Connection, db_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "pgbroker._vacuum")
+    conn = psycopg.connect(db_url, application_name=APP)
+    try:
+        conn.execute("SELECT txid_current()")
+        pid = conn.info.backend_pid
+        sweeper = Sweeper(store)
+        sweeper.run_once()
+        assert warnings_of(caplog, pid) == []  # held for less than xmin_warn_after (300 s)
+        later = db_now(pg) + timedelta(seconds=store.settings.xmin_warn_after + 1)
+        sweeper.run_once(now=later)
+        [message] = warnings_of(caplog, pid)
+        for words in (f"pid {pid} '{APP}'", "idle in transaction", "SELECT txid_current()",
+                      "transactions old", f"pg_terminate_backend({pid})",
+                      "idle_in_transaction_session_timeout"):
+            assert words in message
+        sweeper.run_once(now=later + timedelta(seconds=60))
+        assert len(warnings_of(caplog, pid)) == 1  # once per holder, not at every pass
+
+        # a tiny threshold on the real clock: warned as soon as it is held that long
+        tiny = _vacuum.HorizonGuard(dataclasses.replace(store.settings, xmin_warn_after=0.01))
+        wait_for(lambda: any(h.pid == pid for h in tiny.check(store.conn)), 10)
+        off = _vacuum.HorizonGuard(dataclasses.replace(store.settings, xmin_warn_after=0))
+        assert off.check(store.conn, now=later) == []  # 0: never
+    finally:
+        conn.close()
+
+
 def test_migration_0015_sets_the_hot_tables_autovacuum(pg: psycopg.Connection) -> None:
     options = dict(pg.execute(
         "SELECT c.relname, c.reloptions FROM pg_class AS c"
@@ -139,3 +181,62 @@ def test_migration_0015_sets_the_hot_tables_autovacuum(pg: psycopg.Connection) -
     for table in _vacuum.HOT_TABLES[1:]:
         assert {"autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=200",
                 "autovacuum_vacuum_cost_delay=0"} <= set(options[table]), table
+
+
+def dead(pg: psycopg.Connection, table: str) -> tuple[int, Any]:
+    """(dead row versions, last vacuum) of ``table``, as the statistics have them now."""
+    return pg.execute("SELECT n_dead_tup, last_vacuum FROM pg_stat_user_tables"
+                      " WHERE schemaname = 'pgbroker' AND relname = %s", (table,)).fetchone()
+
+
+def churn(pg: psycopg.Connection) -> None:
+    """What a busy queue leaves with nobody vacuuming: 1,200 dead versions in jobs (600 jobs,
+    claimed and acked), 250 in queues and consumers. (Their heartbeats are HOT updates, which
+    a page prunes by itself while the horizon allows: these change the key, which only VACUUM
+    can clean after.)"""
+    pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('busy')")
+    pg.execute("INSERT INTO pgbroker.consumers (id, host, pid, queues)"
+               " VALUES (gen_random_uuid(), 'h', 1, '{busy}')")
+    pg.execute("INSERT INTO pgbroker.jobs (id, queue, body)"
+               " SELECT gen_random_uuid(), 'busy', '\\x' FROM generate_series(1, 600)")
+    for state in ("running", "completed"):
+        pg.execute("UPDATE pgbroker.jobs SET state = %s, locked_by = gen_random_uuid()",
+                   (state,))
+    for _ in range(250):
+        pg.execute("UPDATE pgbroker.queues SET name = CASE name WHEN 'busy' THEN 'busy2'"
+                   " ELSE 'busy' END")
+        pg.execute("UPDATE pgbroker.consumers SET id = gen_random_uuid()")
+    # the statistics arrive when the session is idle, at most once a second
+    wait_for(lambda: all(dead(pg, t)[0] >= n for t, n in
+                         (("jobs", 1200), ("queues", 250), ("consumers", 250))), 15,
+             message=lambda: str([dead(pg, t) for t in ("jobs", "queues", "consumers")]))
+
+
+def test_with_autovacuum_off_the_sweeper_vacuums_the_hot_tables(
+        store: Store, pg: psycopg.Connection) -> None:
+    churn(pg)
+    assert [t.table for t in _vacuum.tables(pg, "pgbroker") if t.due] == [
+        "jobs", "consumers", "queues"]
+    sweeper = Sweeper(store)
+    assert sweeper.run_once().vacuumed == 3
+    sweeper.vacuum.wait(60)
+    for table in ("jobs", "consumers", "queues"):
+        wait_for(lambda t=table: dead(pg, t)[1] is not None, 15, message=f"{table} vacuumed")
+        assert dead(pg, table)[0] < 50
+    assert sweeper.run_once().vacuumed == 0  # nothing due, and at most every 15 s anyway
+    assert dead(pg, "rate_limits")[1] is None  # not due: left alone
+
+
+def test_the_fallback_never_waits_for_a_lock(store: Store, pg: psycopg.Connection,
+                                             db_url: str) -> None:
+    churn(pg)
+    due = [t for t in _vacuum.tables(pg, "pgbroker") if t.due]
+    locker = psycopg.connect(db_url)
+    try:  # what a VACUUM, CREATE INDEX CONCURRENTLY or ANALYZE of queues holds
+        locker.execute("LOCK TABLE pgbroker.queues IN SHARE UPDATE EXCLUSIVE MODE")
+        fallback = _vacuum.VacuumFallback(db_url, store.settings, background=False)
+        assert fallback.vacuum(due) == 2  # jobs and consumers; queues skipped at once
+    finally:
+        locker.close()
+    assert dead(pg, "queues")[1] is None
+    assert dead(pg, "consumers")[1] is not None
