@@ -196,6 +196,7 @@ class HorizonGuard:
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.enabled = True  #: off in a remote-control client (pgbroker._lease)
         self._first_seen: dict[tuple[Any, ...], float] = {}  # holders seen, by this clock
         self._warned: set[tuple[Any, ...]] = set()
 
@@ -203,7 +204,7 @@ class HorizonGuard:
         """Look once (``now``: the clock, None for the database's); warn of the holders held
         too long not warned of yet, and return them."""
         after = self.settings.xmin_warn_after
-        if not after:
+        if not after or not self.enabled:
             return []
         clock = now.timestamp() if now is not None else time.time()
         found = [h for h in holders(conn, self.settings.schema, now=now) if h.tables]
@@ -242,6 +243,7 @@ class VacuumFallback:
         self.conninfo = conninfo
         self.settings = settings
         self.background = background
+        self.enabled = True  #: off in a remote-control client (pgbroker._lease)
         self._next_check = 0.0
         self._thread: threading.Thread | None = None
         self._refused: set[str] = set()  # tables this role may not vacuum (warned once)
@@ -250,7 +252,8 @@ class VacuumFallback:
         """Look at the hot tables over ``conn`` (at most every VACUUM_CHECK_INTERVAL) and
         vacuum those due; returns how many VACUUMs were started (or, not in the background,
         done)."""
-        if time.monotonic() < self._next_check or (self._thread and self._thread.is_alive()):
+        if (not self.enabled or time.monotonic() < self._next_check
+                or (self._thread and self._thread.is_alive())):
             return 0
         self._next_check = time.monotonic() + VACUUM_CHECK_INTERVAL
         due = [t for t in tables(conn, self.settings.schema)

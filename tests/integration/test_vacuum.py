@@ -26,9 +26,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pgbroker import _vacuum
+from pgbroker._lease import Lease
 from pgbroker._store import Store
 from pgbroker.metrics import MetricsReader, prometheus_registry
 from pgbroker.sweeper import Sweeper
+from tests.integration.transport_support import store_for
 from tests.support.db import db_now
 from tests.support.processes import Run, wait_for
 
@@ -166,6 +168,38 @@ def test_the_worker_warns_once_per_holder_held_too_long(
         assert off.check(store.conn, now=later) == []  # 0: never
     finally:
         conn.close()
+
+
+def test_a_workers_lease_warns_and_a_remote_control_clients_does_not(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``celery inspect`` consumes a reply queue, and sweeps while it waits for replies: its
+    stderr is the user's terminal, told nothing at every call."""
+    caplog.set_level(logging.WARNING, "pgbroker._vacuum")
+    store = store_for(db_url, sweep_interval=0.1, heartbeat_interval=0.1, lease_timeout=2,
+                      xmin_warn_after=0.01)
+    conn = psycopg.connect(db_url, application_name=APP)
+    leases = [Lease(store, lambda q=q: [q]) for q in ("x.reply.celery.pidbox", "celery")]
+    swept = [0, 0]
+    for i, lease in enumerate(leases):
+        run_once = lease._sweeper.run_once
+
+        def counted(*args: Any, _i: int = i, _run: Any = run_once, **kw: Any) -> Any:
+            swept[_i] += 1
+            return _run(*args, **kw)
+        lease._sweeper.run_once = counted  # type: ignore[method-assign]
+    try:
+        conn.execute("SELECT txid_current()")
+        for lease in leases:
+            lease.ensure()
+        wait_for(lambda: warnings_of(caplog, conn.info.backend_pid) and min(swept) >= 3, 30,
+                 message=lambda: f"a warning, and 3 sweeps of each lease (swept: {swept})")
+        assert len(warnings_of(caplog, conn.info.backend_pid)) == 1  # the worker's, once
+        assert not leases[0]._sweeper.horizon.enabled and not leases[0]._sweeper.vacuum.enabled
+    finally:
+        for lease in leases:
+            lease.close()
+        conn.close()
+        store.close()
 
 
 def test_migration_0015_sets_the_hot_tables_autovacuum(pg: psycopg.Connection) -> None:
