@@ -70,6 +70,7 @@ class Holder:
     #: replication slot (catalogs), standby
     pid: int | None
     name: str | None        #: application_name, prepared gid, slot or standby name
+    database: str | None    #: its database, when another one (None: this one, or none)
     state: str | None
     since: datetime | None  #: its transaction's start (prepared: when it was prepared)
     age: float | None       #: seconds since ``since``
@@ -99,6 +100,8 @@ class Holder:
                                    repr(self.name or "")) if p)
         age = "" if self.age is None else f"{self.age:.0f} s, "
         state = f", {self.state}" if self.state else ""
+        if self.database:
+            state += f", in database {self.database}"
         query = (": query hidden (grant pg_read_all_stats to see it)" if self.hidden else
                  f": {self.first_line()}" if self.first_line() else "")
         return f"{self.kind} {who}{state} ({age}{self.xid_age} transactions old){query}"

@@ -60,7 +60,7 @@ WITH sessions AS (
     -- VACUUM); not walsenders (standbys, below). Without pg_read_all_stats, the type, state,
     -- start and query of another role's session are NULL / '<insufficient privilege>': its
     -- pid, application and xids are still shown (autovacuum, which has no user, is left out).
-    SELECT a.pid, a.application_name, a.state, a.xact_start, a.query,
+    SELECT a.pid, a.application_name, a.datname, a.state, a.xact_start, a.query,
            a.backend_xid, a.backend_xmin
     FROM pg_stat_activity AS a
     WHERE a.pid <> pg_backend_pid() AND a.usesysid IS NOT NULL
@@ -70,7 +70,8 @@ WITH sessions AS (
 ), holders AS (
     -- a session holds the older of its xid and its snapshot's xmin
     SELECT CASE WHEN s.backend_xid IS NULL THEN 'snapshot' ELSE 'transaction' END AS kind,
-           s.pid, s.application_name AS name, s.state, s.xact_start AS since,
+           s.pid, s.application_name AS name, nullif(s.datname, current_database()) AS database,
+           s.state, s.xact_start AS since,
            left(s.query, 1000) AS query,
            CASE WHEN s.backend_xmin IS NULL OR age(s.backend_xid) >= age(s.backend_xmin)
                 THEN s.backend_xid ELSE s.backend_xmin END AS held
@@ -83,25 +84,25 @@ WITH sessions AS (
     UNION ALL
     -- a prepared transaction holds its xid until COMMIT PREPARED / ROLLBACK PREPARED, in any
     -- database, whoever prepared it
-    SELECT 'prepared transaction', NULL, p.gid, 'prepared by ' || p.owner, p.prepared, NULL,
-           p.transaction
+    SELECT 'prepared transaction', NULL, p.gid, nullif(p.database, current_database()),
+           'prepared by ' || p.owner, p.prepared, NULL, p.transaction
     FROM pg_prepared_xacts AS p
     UNION ALL
     -- a replication slot keeps xmin for its standby (hot_standby_feedback), active or not
-    SELECT 'replication slot', r.active_pid, r.slot_name,
+    SELECT 'replication slot', r.active_pid, r.slot_name, NULL,
            CASE WHEN r.active THEN 'active' ELSE 'inactive' END, NULL, NULL, r.xmin
     FROM pg_replication_slots AS r WHERE r.xmin IS NOT NULL
     UNION ALL
     -- a logical slot's catalog_xmin holds back the system catalogs only (not pgbroker's tables)
-    SELECT 'replication slot (catalogs)', r.active_pid, r.slot_name,
+    SELECT 'replication slot (catalogs)', r.active_pid, r.slot_name, NULL,
            CASE WHEN r.active THEN 'active' ELSE 'inactive' END, NULL, NULL, r.catalog_xmin
     FROM pg_replication_slots AS r WHERE r.catalog_xmin IS NOT NULL
     UNION ALL
     -- a standby without a slot, with hot_standby_feedback: its walsender carries its xmin
-    SELECT 'standby', w.pid, w.application_name, w.state, NULL, NULL, w.backend_xmin
+    SELECT 'standby', w.pid, w.application_name, NULL, w.state, NULL, NULL, w.backend_xmin
     FROM pg_stat_replication AS w WHERE w.backend_xmin IS NOT NULL
 )
-SELECT h.kind, h.pid, h.name, h.state, h.since,
+SELECT h.kind, h.pid, h.name, h.database, h.state, h.since,
        extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - h.since)::float8 AS age,
        age(h.held) AS xid_age, h.held::text AS xmin, h.query
 FROM holders AS h

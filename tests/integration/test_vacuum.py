@@ -135,6 +135,25 @@ def test_a_role_without_pg_read_all_stats_sees_pid_application_and_age_in_xids(
             admin.execute(f'DROP ROLE "{role}"')
 
 
+def test_a_transaction_id_held_in_another_database_is_shown_with_its_database(
+        database_url: str, pg: psycopg.Connection) -> None:
+    """Every new snapshot counts a running transaction id of any database as running: it holds
+    this database's horizon too. A snapshot alone in another database does not."""
+    other = psycopg.connect(database_url, application_name=APP)
+    try:
+        other.execute("SELECT 1")  # a snapshot only (READ COMMITTED: none between statements)
+        assert all(h.pid != other.info.backend_pid for h in _vacuum.holders(pg, "pgbroker",
+                                                                             limit=50))
+        other.execute("SELECT txid_current()")
+        [h] = [h for h in _vacuum.holders(pg, "pgbroker", limit=50)
+               if h.pid == other.info.backend_pid]
+        name = other.info.dbname
+        assert (h.kind, h.name, h.database) == ("transaction", APP, name)
+        assert f", in database {name}" in h.describe()
+    finally:
+        other.close()
+
+
 def warnings_of(caplog: pytest.LogCaptureFixture, pid: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "pgbroker._vacuum"
             and r.levelno == logging.WARNING and f"pid {pid} " in r.getMessage()]
