@@ -28,6 +28,7 @@ from ._ratelimits import write_rate_limits
 from ._sql import Queries
 from ._shared_store import acquire, release
 from ._store import Store
+from .metrics import is_internal_queue
 from .sweeper import Sweeper, lock_class
 
 __all__ = ["Lease"]
@@ -128,6 +129,11 @@ class Lease:
                     self._register()
                 if time.monotonic() >= next_sweep and self.settings.sweep_interval > 0:
                     next_sweep = time.monotonic() + self.settings.sweep_interval
+                    # A remote-control client (celery inspect, status: reply queues only)
+                    # sweeps, but neither warns of a held horizon nor vacuums: it lives a
+                    # second, and its stderr is the user's terminal.
+                    worker = not all(map(is_internal_queue, self._queues()))
+                    self._sweeper.horizon.enabled = self._sweeper.vacuum.enabled = worker
                     self._sweeper.run_once()
                 backoff = 0.5
             except Exception as exc:  # keep the lease alive through database restarts

@@ -40,8 +40,9 @@ def warn_without_autovacuum(store: Store) -> None:
         table = f"{store.settings.schema}.jobs"
         logger.warning(
             "pgbroker: autovacuum is off for %s. Every task leaves dead row versions behind that "
-            "only VACUUM removes, and claims slow down as they pile up. Turn autovacuum on, or "
-            "run 'VACUUM %s' every minute or so (docs/operations.md, \"Vacuum\").",
+            "only VACUUM removes, and claims slow down as they pile up. The workers' sweepers "
+            "vacuum the hot tables themselves meanwhile (if this role owns them); turn autovacuum "
+            "on, or run 'VACUUM %s' every minute or so (docs/operations.md, \"Vacuum\").",
             table, table)
 
 

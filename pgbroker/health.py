@@ -17,6 +17,10 @@ read, so nothing can be told).
 * **beat**: every enabled entry has completed a run since its latest occurrence that is more
   than ``grace`` seconds old (an entry every 60 s with 60 s of grace: a run completed within the
   last 60 to 120 s). An entry is owed nothing before its first occurrence after it was added.
+* **vacuum**: nothing has held back VACUUM's horizon for longer than ``max_age`` seconds (or
+  ``max_xid_age`` transactions: a replication slot, or another role's session seen without
+  pg_read_all_stats, has no age in seconds); the holders and the hot tables' dead row versions
+  are in the details (:mod:`pgbroker._vacuum`).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ import psycopg
 
 from ._schedule import grid_from_spec
 from ._sql import Queries
+from ._vacuum import read as read_vacuum
 from .errors import ConfigurationError
 from .sweeper import lock_class
 
-__all__ = ["EXIT_CODES", "Verdict", "beat", "queue", "worker"]
+__all__ = ["EXIT_CODES", "Verdict", "beat", "queue", "vacuum", "worker"]
 
 #: Exit status of ``pgbroker health`` per verdict.
 EXIT_CODES = {"ok": 0, "stale": 3, "missing": 4}
@@ -44,7 +49,7 @@ EXIT_CODES = {"ok": 0, "stale": 3, "missing": 4}
 class Verdict:
     """The outcome of one check."""
 
-    check: str     # worker, queue, beat
+    check: str     # worker, queue, beat, vacuum
     status: str    # ok, stale, missing
     reason: str    # one sentence for a person
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -175,3 +180,21 @@ def _owed_since(row: dict[str, Any], grace: float) -> datetime | None:
     if first > deadline:
         return None
     return grid.latest_at_or_before(deadline, first)
+
+
+def vacuum(conn: psycopg.Connection[Any], schema: str = "pgbroker", *, max_age: float = 300.0,
+           max_xid_age: int | None = None) -> Verdict:
+    """Is VACUUM's horizon held too long: a transaction or snapshot open for more than
+    ``max_age`` seconds, or an xmin more than ``max_xid_age`` transactions old?"""
+    report = read_vacuum(conn, schema)
+    details = {"max_age": max_age, "max_xid_age": max_xid_age, **report.as_dict()}
+    held = [h for h in report.holders if h.tables]
+    late = [h for h in held if (h.age is not None and h.age > max_age)
+            or (max_xid_age is not None and h.xid_age > max_xid_age)]
+    if late:
+        return Verdict("vacuum", "stale", f"VACUUM's horizon is held by {late[0].describe()}, "
+                       f"over {max_age:g} s" + (f" or {max_xid_age} transactions"
+                                                 if max_xid_age is not None else ""), details)
+    if not held:
+        return Verdict("vacuum", "ok", "nothing holds back VACUUM's horizon", details)
+    return Verdict("vacuum", "ok", f"VACUUM's horizon is held by {held[0].describe()}", details)

@@ -6,7 +6,9 @@ or running jobs delivered before), the age of the oldest pending job (database c
 completed / cancelled / expired jobs of the retention window. Per queue: paused, consumers alive,
 publishes ever dropped as duplicates (``publish_duplicates``).
 Per enabled beat entry: the age of its last completed run (``pgbroker.beat``'s
-``beat_status`` view).
+``beat_status`` view). VACUUM's side (:mod:`pgbroker._vacuum`): the oldest transactions,
+snapshots, prepared transactions, replication slots and standbys holding back its horizon, and
+the hot tables' live and dead row versions and last vacuum.
 
 How a scrape stays cheap on a table of millions of rows (``metrics_*`` in ``sql/ops.sql``):
 
@@ -40,6 +42,7 @@ from typing import Any
 import psycopg
 from . import _db
 from ._sql import Queries
+from ._vacuum import VacuumReport, read as read_vacuum
 from .settings import Settings
 
 __all__ = ["MetricsReader", "QueueStats", "Snapshot", "TaskStats", "is_internal_queue",
@@ -116,6 +119,8 @@ class Snapshot:
     duplicates: dict[str, int] = dataclasses.field(default_factory=dict)  #: per queue, ever
     #: paused task names: when, by whom, why, the jobs that caused it, how many jobs wait
     paused_tasks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: who holds back VACUUM's horizon, and the hot tables' dead row versions
+    vacuum: VacuumReport = dataclasses.field(default_factory=lambda: VacuumReport([], []))
 
     def queues(self) -> list[QueueStats]:
         """Per-queue totals, for every queue that has jobs, is declared, has consumers or had
@@ -142,6 +147,7 @@ class Snapshot:
             "paused_tasks": [{"task": k, **v, "paused_at": v["paused_at"].isoformat(),
                               "job_ids": [str(j) for j in v["job_ids"]]}
                              for k, v in self.paused_tasks.items()],
+            "vacuum": self.vacuum.as_dict(),
         }
 
 
@@ -265,6 +271,7 @@ class MetricsReader:
             duplicates={q: n for q, n in duplicates.items() if shown(q)},
             paused_tasks={r["task"]: {k: v for k, v in r.items() if k != "task"}
                           for r in self.q.dicts(conn, "task_pause_list", {})},
+            vacuum=read_vacuum(conn, self.schema, now=now),
         )
 
     def _beat(self, conn: psycopg.Connection[Any]) -> dict[str, float | None]:
@@ -367,3 +374,44 @@ class _Collector:
         for task in sorted({t.task for t in snap.tasks if t.task} | set(snap.paused_tasks)):
             tasks.add_metric([task], int(task in snap.paused_tasks))
         yield tasks
+        yield from _vacuum_metrics(snap.vacuum)
+
+
+def _vacuum_metrics(report: VacuumReport) -> Iterator[Any]:
+    """Who holds back VACUUM's horizon, and the hot tables' row versions and last vacuum."""
+    from prometheus_client.core import GaugeMetricFamily  # optional: the admin extra
+
+    oldest = report.oldest
+    yield GaugeMetricFamily(
+        "pgbroker_xmin_horizon_age_seconds", "Seconds the oldest transaction or snapshot that "
+        "holds back VACUUM has been open (0: none seen)", report.age or 0.0)
+    yield GaugeMetricFamily(
+        "pgbroker_xmin_horizon_age_xids", "Transactions since the oldest xmin that holds back "
+        "VACUUM (0: none)", oldest.xid_age if oldest else 0)
+    holders = GaugeMetricFamily(
+        "pgbroker_xmin_horizon_holder_age_xids", "Transactions since the xmin each of the "
+        "oldest holders of VACUUM's horizon holds (a session, a prepared transaction, a "
+        "replication slot, a standby)", labels=["kind", "pid", "application_name", "state"])
+    for h in report.holders:
+        holders.add_metric([h.kind, "" if h.pid is None else str(h.pid), h.name or "",
+                            h.state or ""], h.xid_age)
+    yield holders
+    families = {
+        "live": GaugeMetricFamily("pgbroker_table_live_tuples", "Live row versions of each of "
+                                  "pgbroker's hot tables (estimate)", labels=["table"]),
+        "dead": GaugeMetricFamily("pgbroker_table_dead_tuples", "Dead row versions of each of "
+                                  "pgbroker's hot tables, not vacuumed yet", labels=["table"]),
+        "vacuumed_at": GaugeMetricFamily(
+            "pgbroker_table_last_vacuum_timestamp_seconds", "When each hot table was last "
+            "vacuumed, by hand or by autovacuum (Unix time)", labels=["table"]),
+        "autovacuum": GaugeMetricFamily("pgbroker_table_autovacuum", "1 if autovacuum looks "
+                                        "after the table", labels=["table"]),
+    }
+    for t in report.tables:
+        for name, family in families.items():
+            value = getattr(t, name)
+            if isinstance(value, datetime):
+                value = value.timestamp()
+            if value is not None:
+                family.add_metric([t.table], float(value))
+    yield from families.values()

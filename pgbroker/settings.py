@@ -83,6 +83,9 @@ class Settings:
     #: Cluster-wide rate limits, ``{task name: "10/s"}`` (Celery's rate syntax; pgbroker's
     #: claims of the task by every consumer together). None: leave the database's as they are.
     rate_limits: tuple[RateLimit, ...] | None = None
+    #: Seconds VACUUM's horizon may be held (a long transaction, a held snapshot, a replication
+    #: slot) before a worker's sweeper logs a WARNING naming who holds it; 0: never.
+    xmin_warn_after: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, str) or not _SCHEMA_RE.fullmatch(self.schema):
@@ -105,7 +108,7 @@ class Settings:
             raise ConfigurationError(f"pause_task_after must be an integer >= 0 (0: never pause), "
                                      f"not {self.pause_task_after!r}")
         for name in ("retention", "lease_timeout", "heartbeat_interval", "sweep_interval",
-                     "poll_interval", "connect_timeout"):
+                     "poll_interval", "connect_timeout", "xmin_warn_after"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigurationError(f"{name} must be a number of seconds >= 0, not {value!r}")

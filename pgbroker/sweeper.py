@@ -1,6 +1,7 @@
 """The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning, the
-per-minute statistics of the admin page's charts, and the folding of the duplicate-publish
-counter.
+per-minute statistics of the admin page's charts, the folding of the duplicate-publish
+counter, a VACUUM of the hot tables when autovacuum does not look after them, and a WARNING
+when VACUUM's horizon is held too long (``xmin_warn_after``; :mod:`pgbroker._vacuum`).
 
 ``Sweeper.run_once()`` does one pass and returns what it changed; it runs inside every consuming
 worker (from its lease thread) and as ``pgbroker sweep``. ``run_once(now=...)`` does the pass as
@@ -28,6 +29,7 @@ from typing import TypeVar
 import psycopg
 
 from ._store import Store
+from ._vacuum import HorizonGuard, VacuumFallback
 
 __all__ = ["Sweeper", "SweepResult", "lock_class"]
 
@@ -56,6 +58,7 @@ class SweepResult:
     statistics: int = 0   # rows of the admin page's per-minute statistics written
     folded: int = 0       # duplicate-publish counter rows folded into one per queue
     keys: int = 0         # rows of concurrency keys idle for an hour, deleted
+    vacuumed: int = 0     # hot tables whose VACUUM was started (autovacuum off for them)
 
     def __bool__(self) -> bool:
         return any(vars(self).values())
@@ -64,9 +67,12 @@ class SweepResult:
 class Sweeper:
     """One pass of maintenance over a store's schema."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, *, background_vacuum: bool = True):
         self.store = store
         self.lock_class = lock_class(store.settings.schema)
+        self.horizon = HorizonGuard(store.settings)
+        self.vacuum = VacuumFallback(store.conninfo, store.settings,
+                                     background=background_vacuum)
 
     def run_once(self, prune_batches: int = 10, now: datetime | None = None) -> SweepResult:
         """Do one pass; prune at most ``prune_batches`` batches so a pass stays short.
@@ -97,8 +103,10 @@ class Sweeper:
         folded = self._step("duplicate folding", store.fold_duplicates, 0)
         keys = self._step("concurrency key pruning",
                           lambda: store.prune_concurrency_keys(now=now), 0)
+        vacuumed = self._step("vacuum", lambda: self.vacuum.run_once(store.conn), 0)
+        self._step("horizon check", lambda: self.horizon.check(store.conn, now=now), [])
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
-                             broadcasts, statistics, folded, keys)
+                             broadcasts, statistics, folded, keys, vacuumed)
         if rescued or buried:
             logger.warning("pgbroker sweeper: %d job(s) of lost consumers redelivered, %d dead, "
                            "%d consumer(s) removed", rescued, buried, consumers)

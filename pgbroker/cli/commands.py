@@ -24,6 +24,7 @@ from .. import health
 from .._messages import message_to_job
 from .._revoke import RevokeRequest, apply, pidbox_message
 from .._store import Store
+from .._vacuum import VacuumReport
 from ..errors import ConfigurationError, OperationError, PgBrokerError
 from ..metrics import MetricsReader
 from ..migrate import latest_version, migrate
@@ -71,7 +72,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"task {task}: PAUSED since {p['paused_at']:%Y-%m-%d %H:%M:%S} by {p['paused_by']}"
               f" ({p['waiting']} job(s) waiting): {first_line(p['reason'])}; jobs that caused "
               f"it: {' '.join(map(str, p['job_ids'])) or '-'} (pgbroker task resume {task})")
+    print()
+    print(vacuum_text(snap.vacuum))
     return 0
+
+
+def vacuum_text(report: VacuumReport) -> str:
+    """Who holds back VACUUM's horizon, and the hot tables' row versions (``stats``)."""
+    lines = ["VACUUM's horizon: " + ("nothing holds it" if not report.holders else
+                                     f"held by {report.holders[0].describe()}")]
+    lines += [f"  then {h.describe()}" for h in report.holders[1:]]
+    if report.hidden:
+        lines.append("  (the state, start and query of another role's session are hidden from "
+                     "this one: grant it pg_read_all_stats to see them)")
+    lines.append(table(["TABLE", "LIVE", "DEAD", "LAST VACUUM", "AUTOVACUUM"],
+                       [[t.table, t.live, t.dead, t.vacuumed_at,
+                         "on" if t.autovacuum else "OFF"] for t in report.tables]))
+    return "\n".join(lines)
 
 
 _JOB_COLUMNS = ["id", "queue", "task", "state", "attempts", "updated_at"]
@@ -229,8 +246,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
     try:
         store.connect()  # checks the schema: a clear error now, not in the loop
+        # one sweeper for the loop: it warns of a held horizon once, not at every pass
+        sweeper = Sweeper(store, background_vacuum=False)
         while True:
-            result = Sweeper(store).run_once()
+            result = sweeper.run_once()
             if result or not args.loop:
                 print("sweep: " + ", ".join(f"{k} {v}" for k, v in vars(result).items()),
                       flush=True)
@@ -271,6 +290,9 @@ def cmd_health(args: argparse.Namespace) -> int:
                                        max_pending_age=args.max_pending_age,
                                        min_consumers=args.min_consumers,
                                        lease_timeout=args.lease_timeout)
+            elif args.health_command == "vacuum":
+                verdict = health.vacuum(conn, args.schema, max_age=args.max_age,
+                                        max_xid_age=args.max_xid_age)
             else:
                 verdict = health.beat(conn, args.schema, tuple(args.entry), grace=args.grace)
     except PgBrokerError as exc:

@@ -239,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "missing when it is unknown or disabled")
     p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
                    help="how late a run may complete after its occurrence (default: 60)")
+    p = command("vacuum", cmd_health, "VACUUM's horizon: nothing (a transaction, a snapshot, "
+                "a replication slot) has held it back longer than --max-age; the holders and "
+                "the hot tables' dead row versions in the details.", checks_sub)
+    p.add_argument("--max-age", type=float, default=300.0, metavar="SECONDS",
+                   help="stale when held longer (default: 300)")
+    p.add_argument("--max-xid-age", type=int, metavar="N", help="also stale when the held "
+                   "xmin is more than N transactions old (default: not checked)")
 
     schedule.register(sub, parents=[common])  # schedule list|add|enable|disable|delete
     tasks.register(sub, parents=[common])  # task list|pause|resume

@@ -11,7 +11,7 @@ from pgbroker.settings import Settings
 
 INTEGER_OPTIONS = ("max_attempts", "claim_batch_max", "prune_batch_size", "max_message_size")
 SECONDS_OPTIONS = ("retention", "lease_timeout", "heartbeat_interval", "sweep_interval",
-                   "poll_interval", "connect_timeout")
+                   "poll_interval", "connect_timeout", "xmin_warn_after")
 
 
 def test_defaults_are_valid_and_documented_values() -> None:
@@ -23,6 +23,7 @@ def test_defaults_are_valid_and_documented_values() -> None:
     assert s.lease_timeout >= 2 * s.heartbeat_interval
     assert s.require_idempotency_key == frozenset()
     assert s.channel == "pgbroker.jobs"
+    assert s.xmin_warn_after == 300.0 and Settings(xmin_warn_after=0).xmin_warn_after == 0
 
 
 def test_options_are_applied() -> None:
