@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any
 
+import psycopg
 from billiard.exceptions import WorkerLostError
 from celery import signals
 
@@ -108,7 +109,9 @@ def _record(store: Store, job_id: uuid.UUID, attempt: int, error: str,
         try:
             store.fail(job_id, attempt, error, traceback, lost)
             return
-        except DatabaseUnavailable:
+        except (DatabaseUnavailable, psycopg.OperationalError):
+            # the connection lost, or a statement that failed on it (a full disk, a timeout):
+            # both may pass
             store.close()
             if time.monotonic() + delay > deadline:
                 raise

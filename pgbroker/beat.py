@@ -207,7 +207,7 @@ class Scheduler(celery_beat.Scheduler):
         _applying.config = True
         try:
             self.sync_config()
-        except DatabaseUnavailable as exc:
+        except _db.CONNECTION_ERRORS as exc:  # (a full disk too: a statement that failed)
             logger.error("beat: cannot apply beat_schedule yet (%s); trying again at every "
                          "tick", exc)
         finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import psycopg
 from flask import Flask, Response, abort, g, redirect, render_template, request, session, url_for
 
 from ..errors import DatabaseUnavailable
@@ -91,7 +92,8 @@ def install(app: Flask) -> None:
                 "can_act": bool(login and login.can_act)}
 
     @app.errorhandler(DatabaseUnavailable)
-    def unavailable(exc: DatabaseUnavailable) -> tuple[str, int]:
+    @app.errorhandler(psycopg.OperationalError)  # a statement that failed: a timeout, a full disk
+    def unavailable(exc: Exception) -> tuple[str, int]:
         logger.warning("pgbroker admin: %s", exc)
         if "HX-Request" in request.headers:  # a live part: a line in its place
             return render_template("_unavailable.html", message=str(exc)), 503

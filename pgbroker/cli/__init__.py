@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import psycopg
+
 from ..errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -53,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OperationError, ConfigurationError, ValueError) as exc:
         print(f"pgbroker: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (DatabaseUnavailable, SchemaError) as exc:
+    except (DatabaseUnavailable, SchemaError, psycopg.OperationalError) as exc:
+        # (a statement that failed on a living connection: a timeout, a full disk)
         print(f"pgbroker: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except PgBrokerError as exc:

@@ -525,3 +525,18 @@ def test_dead_letters_of_a_queue_whose_row_is_gone(cli: Run, pg: psycopg.Connect
     add_jobs(pg, 2, "dead", queue="expired-reply-queue")  # no row in pgbroker.queues
     code, out, _ = cli("dead", "retry", "--all", "--queue", "expired-reply-queue")
     assert (code, out.strip()) == (0, "retried 2 dead job(s) of queue expired-reply-queue")
+
+
+def test_a_statement_that_fails_is_a_clear_error_not_a_traceback(
+        db_url: str, pg: psycopg.Connection, capsys: pytest.CaptureFixture[str]) -> None:
+    """A statement timeout set on the database (or a full disk): the connection lives, the
+    statement failed; the command says so and exits 1."""
+    pg.execute("BEGIN")
+    pg.execute("LOCK TABLE pgbroker.jobs IN ACCESS EXCLUSIVE MODE")
+    try:
+        code = main(["--database-url", db_url + "?options=-c%20statement_timeout%3D200",
+                     "stats"])
+    finally:
+        pg.execute("ROLLBACK")
+    err = capsys.readouterr().err
+    assert code == 1 and "pgbroker: error:" in err and "statement timeout" in err, err
