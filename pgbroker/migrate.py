@@ -23,7 +23,7 @@ from .errors import SchemaError
 from .settings import Settings
 
 __all__ = ["migrate", "migrate_once", "connect_ready", "check", "apply", "load", "Migration",
-           "MIGRATIONS", "latest_version", "LOCK_TIMEOUT"]
+           "MIGRATIONS", "RESERVED", "latest_version", "LOCK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,10 @@ class Migration:
     sql: str
 
 
-def load(package: str, folder: str) -> tuple[Migration, ...]:
-    """The numbered ``NNNN_name.sql`` files of ``package``/``folder``, checked to be 1..n."""
+def load(package: str, folder: str,
+         reserved: frozenset[int] = frozenset()) -> tuple[Migration, ...]:
+    """The numbered ``NNNN_name.sql`` files of ``package``/``folder``, checked to be 1..n
+    but for the ``reserved`` numbers, which must have no file."""
     found = []
     root = resources.files(package)
     for part in folder.split("/"):
@@ -48,12 +50,19 @@ def load(package: str, folder: str) -> tuple[Migration, ...]:
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
     found.sort(key=lambda m: m.version)
-    if [m.version for m in found] != list(range(1, len(found) + 1)):
-        raise RuntimeError(f"migrations are not numbered 1..n: {[m.version for m in found]}")
+    versions = [m.version for m in found]
+    if versions != [v for v in range(1, len(found) + len(reserved) + 1) if v not in reserved]:
+        raise RuntimeError(f"migrations are not numbered 1..n (reserved: {sorted(reserved)}): "
+                           f"{versions}")
     return tuple(found)
 
 
-MIGRATIONS = load("pgbroker", "sql/migrations")
+#: Numbers given to migrations of branches not merged yet: each branch ships the number it was
+#: given, so that none is renumbered at a merge (a database keeps the numbers it applied). The
+#: merge that brings one's file takes its number out of here; load() refuses it while both.
+RESERVED = frozenset({14, 15})
+
+MIGRATIONS = load("pgbroker", "sql/migrations", RESERVED)
 
 
 def latest_version() -> int:
