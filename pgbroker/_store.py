@@ -581,7 +581,7 @@ class Store:
                           lock_key: int | None) -> None:
         self._execute("consumer_register", {
             "id": consumer, "host": socket.gethostname(), "pid": os.getpid(),
-            "queues": list(queues), "lock_key": lock_key})
+            "queues": list(queues), "lock_key": lock_key, "lease": self.settings.lease_timeout})
 
     def heartbeat(self, consumer: uuid.UUID, queues: Sequence[str]) -> bool:
         """Renew the lease; False when the consumer was declared gone (its jobs rescued)."""
