@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..metrics import is_internal_queue
 from ..ops import OperationError
 from . import charts, stats
-from .auth import close_session, open_session
+from .auth import Throttled, close_session, open_session
 from .present import format_duration, when
 from .state import admin_state, local_target, paused
 
@@ -76,17 +76,17 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
         creds = state.credentials
         if request.method == "POST":
             address = request.remote_addr or "?"
-            wait = state.throttle.wait(address)
-            if wait > 0:
+            try:
+                found = state.throttle.check(address, creds, request.form.get("user"),
+                                             request.form.get("password"),
+                                             request.form.get("token"))
+            except Throttled as exc:
                 logger.warning("pgbroker admin: login from %s refused for %.0f s (too many "
-                               "failures)", address, wait)
-                flash(f"Too many failed logins: try again in {wait:.0f} s.", "error")
+                               "failures)", address, exc.wait)
+                flash(f"Too many failed logins: try again in {exc.wait:.0f} s.", "error")
                 return render_template("login.html", creds=creds), 429, {
-                    "Retry-After": str(max(1, round(wait)))}
-            found = creds.login(request.form.get("user"), request.form.get("password"),
-                                request.form.get("token"))
+                    "Retry-After": exc.retry_after}
             if found is None:
-                state.throttle.failed(address)
                 flash("Wrong user, password or token.", "error")
                 logger.warning("pgbroker admin: failed login from %s", address)
                 return render_template("login.html", creds=creds), 401
