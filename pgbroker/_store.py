@@ -176,6 +176,10 @@ class Store:
             self._sync = None
             self._lock_timeout = None
 
+    def statement_lock(self) -> Any:  # held to run statements on .conn directly (re-entrant)
+        self._check_fork()
+        return self._exec_lock
+
     def close(self) -> None:
         self._check_fork()
         with self._lock:
@@ -420,8 +424,7 @@ class Store:
                 if deadlocks == 3:
                     raise
 
-    def scheduled(self, queues: Sequence[str], limit: int,
-                  body_max: int) -> list[tuple[Any, ...]]:
+    def scheduled(self, queues: Sequence[str], limit: int, body_max: int) -> list[tuple[Any, ...]]:
         """``job_scheduled_list``: the earliest scheduled jobs of ``queues``."""
         return self._execute("job_scheduled_list", {"queues": list(queues), "limit": limit,
                                                     "body_max": body_max}).fetchall()
