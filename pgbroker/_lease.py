@@ -93,8 +93,9 @@ class Lease:
 
     def _relock(self, conn: psycopg.Connection[Any]) -> None:
         """The shared store has a new session: take this consumer's lock again on it (the old
-        session's went with it), before any statement runs there (no other thread has it yet). Another key if it is taken
-        (vanishingly rare): the next beat registers it. Then the consumer hears of it."""
+        session's went with it), before any statement runs there (no other thread has it yet,
+        so no statement lock is needed). Another key if it is taken (vanishingly rare): the
+        next beat registers it. Then the consumer hears of it."""
         if self._on_reconnect is not None:
             self._on_reconnect()
         if self._lock_key is None or not self._started:
