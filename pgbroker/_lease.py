@@ -78,19 +78,25 @@ class Lease:
         return self.id
 
     def _register(self) -> None:
-        conn = self._store.connect()
-        if self.settings.use_advisory_locks and not self.settings.transaction_pooling \
-                and conn is not self._locked_on:  # (a reconnect's _relock took it already)
-            self._lock_key = self._take_lock(conn)
-            self._locked_on = conn
-        self._store.register_consumer(self.id, self._queues(), self._lock_key)
-        if self.settings.rate_limits is not None:
-            write_rate_limits(conn, self.settings.schema, self.settings.rate_limits)
+        # Under the store's statement lock: the connection is the process's, and a statement
+        # of another thread (a publish) interleaved with ours made libpq refuse one ("another
+        # command is already in progress") or hand one thread the other's result, leaving it
+        # to wait for ever on the socket (a `celery inspect` hung in consumer_lock_try).
+        with self._store.statement_lock():
+            conn = self._store.connect()
+            if self.settings.use_advisory_locks and not self.settings.transaction_pooling \
+                    and conn is not self._locked_on:  # (a reconnect's _relock took it already)
+                self._lock_key = self._take_lock(conn)
+                self._locked_on = conn
+            self._store.register_consumer(self.id, self._queues(), self._lock_key)
+            if self.settings.rate_limits is not None:
+                write_rate_limits(conn, self.settings.schema, self.settings.rate_limits)
 
     def _relock(self, conn: psycopg.Connection[Any]) -> None:
         """The shared store has a new session: take this consumer's lock again on it (the old
-        session's went with it), before any statement runs there. Another key if it is taken
-        (vanishingly rare): the next beat registers it. Then the consumer hears of it."""
+        session's went with it), before any statement runs there (no other thread has it yet,
+        so no statement lock is needed). Another key if it is taken (vanishingly rare): the
+        next beat registers it. Then the consumer hears of it."""
         if self._on_reconnect is not None:
             self._on_reconnect()
         if self._lock_key is None or not self._started:
@@ -156,10 +162,11 @@ class Lease:
             self._store.on_connect.remove(self._relock)
         if self._started:
             try:
-                self._store.unregister_consumer(self.id)
-                if self._lock_key is not None:
-                    self._q.one(self._store.conn, "consumer_unlock",
-                                {"class": self._lock_class, "key": self._lock_key})
+                with self._store.statement_lock():  # (see _register)
+                    self._store.unregister_consumer(self.id)
+                    if self._lock_key is not None:
+                        self._q.one(self._store.conn, "consumer_unlock",
+                                    {"class": self._lock_class, "key": self._lock_key})
             except Exception as exc:  # noqa: BLE001 - the sweeper forgets us anyway
                 logger.debug("pgbroker lease %s: unregister failed: %s", self.id, exc)
         release(self._store)

@@ -176,6 +176,10 @@ class Store:
             self._sync = None
             self._lock_timeout = None
 
+    def statement_lock(self) -> Any:  # held to run statements on .conn directly (re-entrant)
+        self._check_fork()
+        return self._exec_lock
+
     def close(self) -> None:
         self._check_fork()
         with self._lock:
@@ -435,8 +439,7 @@ class Store:
                 if deadlocks == 3:
                     raise
 
-    def scheduled(self, queues: Sequence[str], limit: int,
-                  body_max: int) -> list[tuple[Any, ...]]:
+    def scheduled(self, queues: Sequence[str], limit: int, body_max: int) -> list[tuple[Any, ...]]:
         """``job_scheduled_list``: the earliest scheduled jobs of ``queues``."""
         return self._execute("job_scheduled_list", {"queues": list(queues), "limit": limit,
                                                     "body_max": body_max}).fetchall()
@@ -596,7 +599,7 @@ class Store:
                           lock_key: int | None) -> None:
         self._execute("consumer_register", {
             "id": consumer, "host": socket.gethostname(), "pid": os.getpid(),
-            "queues": list(queues), "lock_key": lock_key})
+            "queues": list(queues), "lock_key": lock_key, "lease": self.settings.lease_timeout})
 
     def heartbeat(self, consumer: uuid.UUID, queues: Sequence[str]) -> bool:
         """Renew the lease; False when the consumer was declared gone (its jobs rescued)."""

@@ -75,13 +75,14 @@ def _rows(conn: psycopg.Connection[Any], schema: str, name: str,
 
 def _consumers(conn: psycopg.Connection[Any], schema: str, *, lease_timeout: float,
                **match: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(matching consumers, those alive) with a readable ``age`` each."""
+    """(matching consumers, those alive) with a readable ``age`` each. Each is judged by its
+    own lease (``lease_timeout`` is for a row of an older pgbroker, which has none)."""
     params = {"id": None, "host": None, "pid": None, "queue": None, **match,
-              "lock_class": lock_class(schema)}
+              "lock_class": lock_class(schema), "lease": lease_timeout}
     found = _rows(conn, schema, "health_consumers", params)
     for row in found:
         row["heartbeat_age"] = round(row["heartbeat_age"], 1)
-    alive = [r for r in found if r["connected"] and r["heartbeat_age"] <= lease_timeout]
+    alive = [r for r in found if r["connected"] and r["heartbeat_age"] <= r["lease_timeout"]]
     return found, alive
 
 
@@ -102,13 +103,15 @@ def worker(conn: psycopg.Connection[Any], schema: str = "pgbroker", *, host: str
         return Verdict("worker", "missing", f"no consumer of {who} is registered (a worker "
                        "registers when it starts consuming)", details)
     newest = found[0]
-    why = (f"heartbeat {newest['heartbeat_age']:g} s ago, over the {lease_timeout:g} s lease"
+    why = (f"heartbeat {newest['heartbeat_age']:g} s ago, over its "
+           f"{newest['lease_timeout']:g} s lease"
            if newest["connected"] else "its database session is gone")
     return Verdict("worker", "stale", f"no consumer of {who} is alive: {why}", details)
 
 
 def _consumer(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: row[k] for k in ("id", "host", "pid", "queues", "heartbeat_age", "connected")}
+    return {k: row[k] for k in ("id", "host", "pid", "queues", "heartbeat_age", "lease_timeout",
+                                "connected")}
 
 
 def queue(conn: psycopg.Connection[Any], schema: str = "pgbroker", name: str = "celery", *,

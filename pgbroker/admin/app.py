@@ -44,7 +44,7 @@ def create_app(database_url: str, schema: str = "pgbroker", credentials: Credent
     credentials = credentials or Credentials.from_env()
     if not credentials.configured:
         raise ValueError("the admin page needs credentials (see pgbroker.admin.auth)")
-    settings = Settings(schema=schema)
+    Settings(schema=schema)  # validates the name
     conninfo = _db.libpq_url(database_url)
     conn = _db.connect(conninfo, application_name="pgbroker admin")
     try:
@@ -75,8 +75,7 @@ def create_app(database_url: str, schema: str = "pgbroker", credentials: Credent
                           configure=lambda conn: q.execute(conn, "admin_connection_setup"))
     reader = MetricsReader(schema, window=window, lease_timeout=lease_timeout)
     state = AdminState(pool, schema, credentials, reader, refresh, None,
-                       throttle or LoginThrottle(), q, reader.lease_timeout,
-                       settings.heartbeat_interval)
+                       throttle or LoginThrottle(), q, reader.lease_timeout)
     state.registry = prometheus_registry(state.snapshot)
     app.extensions["pgbroker"] = state
     guards.install(app)

@@ -20,6 +20,9 @@
   its own, which would reopen the door CSRF tokens close.
 * Failed logins are throttled per client address (10 at once, then one every 6 s) and in total
   (100 at once, then ten a second): the 11th wrong password in a row from one address waits.
+  One throttle guards every place that checks credentials (:meth:`LoginThrottle.check`): the
+  login form and a scraper's Basic or Bearer credentials on ``/metrics`` share its budget, and
+  while an address waits, even the right credentials are refused (429), or guessing would go on.
 
 Limits, honestly: the throttle is per server process and trusts the connection's address, so
 behind a reverse proxy every client is the proxy (one budget for all; throttle at the proxy
@@ -46,8 +49,8 @@ import psycopg
 from .._sql import Queries
 from ..errors import ConfigurationError
 
-__all__ = ["Credentials", "Login", "LoginThrottle", "OPERATOR", "VIEWER", "is_loopback",
-           "new_csrf_token", "same_secret"]
+__all__ = ["Credentials", "Login", "LoginThrottle", "OPERATOR", "VIEWER", "Throttled",
+           "is_loopback", "new_csrf_token", "same_secret"]
 
 ENV_USER = "PGBROKER_ADMIN_USER"
 ENV_PASSWORD = "PGBROKER_ADMIN_PASSWORD"
@@ -164,6 +167,19 @@ class Credentials:
         return found
 
 
+class Throttled(Exception):
+    """Too many failed credential checks from one address: it may try again in ``wait`` s."""
+
+    def __init__(self, address: str, wait: float):
+        super().__init__(f"{address}: too many failed logins, try again in {wait:.0f} s")
+        self.wait = wait
+
+    @property
+    def retry_after(self) -> str:
+        """The ``Retry-After`` header's value."""
+        return str(max(1, round(self.wait)))
+
+
 class LoginThrottle:
     """Failed logins per client address and in total, as token buckets: each address may fail
     ``burst`` times at once and then once per ``interval`` seconds; all addresses together
@@ -189,6 +205,19 @@ class LoginThrottle:
         with self._lock:
             return max(max(0.0, 1.0 - self._tokens(key, now)) * self._limits[key[0]][1]
                        for key in ((False, address), (True, "")))
+
+    def check(self, address: str, creds: Credentials, user: str | None, password: str | None,
+              token: str | None) -> Login | None:
+        """Who ``creds`` let in with these credentials from ``address`` (None: nobody, and a
+        failure counted); :class:`Throttled` while the address must wait, whatever it sends.
+        Every credential check goes through here: one budget per address for all of them."""
+        wait = self.wait(address)
+        if wait > 0:
+            raise Throttled(address, wait)
+        found = creds.login(user, password, token)
+        if found is None:
+            self.failed(address)
+        return found
 
     def failed(self, address: str) -> None:
         now = self._clock()

@@ -12,8 +12,8 @@ import psycopg
 from flask import Flask, Response, abort, g, redirect, render_template, request, session, url_for
 
 from ..errors import DatabaseUnavailable
-from .auth import Credentials, Login, find_session, new_csrf_token, same_secret
-from .state import admin_state
+from .auth import Login, Throttled, find_session, new_csrf_token, same_secret
+from .state import AdminState, admin_state
 
 __all__ = ["install"]
 
@@ -23,13 +23,32 @@ logger = logging.getLogger("pgbroker.admin.app")  # the name its lines have alwa
 _PUBLIC = frozenset({"login", "static", "favicon"})
 
 
-def _scraper_allowed(creds: Credentials) -> bool:
+def _scraper_refused(state: AdminState) -> Response | None:
+    """None when a scraper's Basic or Bearer credentials let it read /metrics, else the answer:
+    401, or 429 while its address is throttled -- the login form's throttle, or /metrics would
+    be a password oracle beside it."""
     auth = request.authorization
     if auth is None:
-        return False
-    if auth.type == "bearer":
-        return creds.login(None, None, auth.token) is not None
-    return creds.login(auth.username, auth.password, None) is not None
+        return _unauthenticated()  # nothing was guessed
+    address = request.remote_addr or "?"
+    try:
+        found = state.throttle.check(address, state.credentials,
+                                     *((None, None, auth.token) if auth.type == "bearer"
+                                       else (auth.username, auth.password, None)))
+    except Throttled as exc:
+        logger.warning("pgbroker admin: /metrics credentials from %s refused for %.0f s (too "
+                       "many failures)", address, exc.wait)
+        return Response("too many failed logins: try again later\n", 429,
+                        mimetype="text/plain", headers={"Retry-After": exc.retry_after})
+    if found is None:
+        logger.warning("pgbroker admin: wrong /metrics credentials from %s", address)
+        return _unauthenticated()
+    return None
+
+
+def _unauthenticated() -> Response:
+    return Response("authentication required\n", 401, mimetype="text/plain",
+                    headers={"WWW-Authenticate": 'Basic realm="pgbroker"'})
 
 
 def install(app: Flask) -> None:
@@ -48,13 +67,11 @@ def install(app: Flask) -> None:
             else:
                 session.pop("sid", None)  # logged out, or expired
         if endpoint not in _PUBLIC and g.login is None:
-            if endpoint == "metrics" and _scraper_allowed(state.credentials):
-                return None
-            if request.method == "GET" and endpoint != "metrics" and \
-                    "HX-Request" not in request.headers:
+            if endpoint == "metrics":
+                return _scraper_refused(state)
+            if request.method == "GET" and "HX-Request" not in request.headers:
                 return redirect(url_for("login", next=request.full_path.rstrip("?")))
-            return Response("authentication required\n", 401, mimetype="text/plain",
-                            headers={"WWW-Authenticate": 'Basic realm="pgbroker"'})
+            return _unauthenticated()
         if request.method == "POST":
             expected = g.csrf if g.login is not None else session.get("csrf")
             if not same_secret(request.form.get("csrf_token"), expected):

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..metrics import is_internal_queue
 from ..ops import OperationError
 from . import charts, stats
-from .auth import close_session, open_session
+from .auth import Throttled, close_session, open_session
 from .present import format_duration, when
 from .state import admin_state, local_target, paused
 
@@ -76,17 +76,17 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
         creds = state.credentials
         if request.method == "POST":
             address = request.remote_addr or "?"
-            wait = state.throttle.wait(address)
-            if wait > 0:
+            try:
+                found = state.throttle.check(address, creds, request.form.get("user"),
+                                             request.form.get("password"),
+                                             request.form.get("token"))
+            except Throttled as exc:
                 logger.warning("pgbroker admin: login from %s refused for %.0f s (too many "
-                               "failures)", address, wait)
-                flash(f"Too many failed logins: try again in {wait:.0f} s.", "error")
+                               "failures)", address, exc.wait)
+                flash(f"Too many failed logins: try again in {exc.wait:.0f} s.", "error")
                 return render_template("login.html", creds=creds), 429, {
-                    "Retry-After": str(max(1, round(wait)))}
-            found = creds.login(request.form.get("user"), request.form.get("password"),
-                                request.form.get("token"))
+                    "Retry-After": exc.retry_after}
             if found is None:
-                state.throttle.failed(address)
                 flash("Wrong user, password or token.", "error")
                 logger.warning("pgbroker admin: failed login from %s", address)
                 return render_template("login.html", creds=creds), 401
@@ -143,7 +143,9 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
         if found is None:
             return render_template("error.html", message=f"no queue {name!r}"), 404
         task = request.args.get("task") or None
-        consumers = [c for c in admin_state().rows("consumer_list") if name in c["queues"]]
+        consumers = [c for c in admin_state().rows("consumer_list",
+                                                   lease=admin_state().lease_timeout)
+                     if name in c["queues"]]
         return render_template("queue.html", qs=found, snap=snap, queue=name, task=task,
                                tasks=[t for t in snap.tasks if t.queue == name],
                                consumers=consumers, refresh=admin_state().refresh,
@@ -153,7 +155,7 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
 
     def workers_context() -> dict[str, Any]:
         state = admin_state()
-        consumers = state.rows("consumer_list")
+        consumers = state.rows("consumer_list", lease=state.lease_timeout)
         running = state.rows("consumer_running", limit=500)
         by_owner: dict[Any, list[dict[str, Any]]] = {}
         for job in running:
@@ -161,9 +163,10 @@ def install(app: Flask) -> None:  # noqa: C901 - one small function per route
         for c in consumers:
             c["jobs"] = by_owner.get(c["id"], [])
             c["client"] = bool(c["queues"]) and all(map(is_internal_queue, c["queues"]))
-            age = c["heartbeat_age"]
-            c["health"] = ("lost" if age > state.lease_timeout else
-                           "late" if age > 2 * state.heartbeat_interval + 1 else "alive")
+            # by its own lease (a heartbeat is at most half of it): another worker's
+            # settings are not this page's
+            age, lease = c["heartbeat_age"], c["lease_timeout"]
+            c["health"] = ("lost" if age > lease else "late" if age > lease / 2 + 1 else "alive")
         return {"consumers": [c for c in consumers if not c["client"]],
                 "clients": [c for c in consumers if c["client"]],
                 "orphans": by_owner.get(None, []), "running_total": len(running),

@@ -37,8 +37,8 @@ class AdminState:
     registry: Any
     throttle: LoginThrottle
     q: Queries
+    #: for a consumer row of an older pgbroker, which holds no lease of its own
     lease_timeout: float
-    heartbeat_interval: float
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def lease_option(p: argparse.ArgumentParser, text: str) -> None:
         p.add_argument("--lease-timeout", type=float, metavar="SECONDS",
-                       help=f"{text} (default: the lease_timeout option, {d.lease_timeout:g})")
+                       help=f"{text}, for a consumer row without a lease of its own (one "
+                            "an older pgbroker registered; every other is judged by its own; "
+                            f"default: the lease_timeout option, {d.lease_timeout:g})")
 
     p = command("migrate", cmd_migrate, "Create or upgrade pgbroker's schema (safe to run "
                 "from several hosts at once: an advisory lock serialises it).")

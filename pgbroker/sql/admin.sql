@@ -163,10 +163,12 @@ ORDER BY 1, 2;
 -- ---------------------------------------------------------------------------------------------
 
 -- name: consumer_list
--- Every registered consumer, with how long since its heartbeat (database clock) and how many
--- jobs it holds (jobs_running_idx, by locked_by).
+-- Every registered consumer, with how long since its heartbeat (database clock), its own lease
+-- (%(lease)s for a row of an older pgbroker, which has none) and how many jobs it holds
+-- (jobs_running_idx, by locked_by).
 SELECT c.id, c.host, c.pid, c.queues, c.started_at, c.heartbeat_at,
        extract(epoch FROM now() - c.heartbeat_at)::float8 AS heartbeat_age,
+       coalesce(c.lease_timeout, %(lease)s::float8) AS lease_timeout,
        (SELECT count(*) FROM {schema}.jobs AS j
         WHERE j.state = 'running' AND j.locked_by = c.id) AS running
 FROM {schema}.consumers AS c

@@ -3,12 +3,14 @@
 
 -- name: health_consumers
 -- Consumers by id, host, pid or queue (a NULL parameter matches all), newest heartbeat first,
--- with what the sweeper's job_rescue tests: the heartbeat's age, and whether the session still
+-- with what the sweeper's job_rescue tests: the heartbeat's age against the consumer's own lease
+-- (%(lease)s for a row of an older pgbroker, which has none), and whether the session still
 -- holds its advisory lock (a consumer whose connection died is gone at once, heartbeat or not).
 -- Remote-control clients (celery inspect, status) consume nothing but their reply queue and
 -- come and go in a second: they are not workers, so they are left out.
 SELECT c.id, c.host, c.pid, c.queues, c.started_at,
        extract(epoch FROM now() - c.heartbeat_at)::float8 AS heartbeat_age,
+       coalesce(c.lease_timeout, %(lease)s::float8) AS lease_timeout,
        c.lock_key IS NULL OR EXISTS (
            SELECT 1 FROM pg_locks AS l
            WHERE l.locktype = 'advisory' AND l.granted

@@ -70,10 +70,11 @@ GROUP BY 1, 2, 3, 4;
 SELECT now(), now() - make_interval(secs => %(lag)s);
 
 -- name: metrics_consumers
--- Consumers alive now (heartbeat within the lease), in total (queue NULL) and per queue.
+-- Consumers alive now (heartbeat within each one's own lease; %(lease)s for a row of an older
+-- pgbroker, which has none), in total (queue NULL) and per queue.
 WITH alive AS (
     SELECT queues FROM {schema}.consumers
-    WHERE heartbeat_at > now() - make_interval(secs => %(lease)s)
+    WHERE heartbeat_at > now() - make_interval(secs => coalesce(lease_timeout, %(lease)s))
 )
 SELECT NULL::text AS queue, count(*) FROM alive
 UNION ALL

@@ -588,7 +588,9 @@ FROM gone WHERE j.id = gone.id AND j.state IN ('pending', 'scheduled');
 -- name: job_rescue
 -- Running jobs whose consumer is gone go back to 'pending' (or 'dead' when out of attempts;
 -- 'cancelled' when revoked while claimed, so a revoked prefetched job never runs elsewhere).
--- A consumer is gone when its row is missing, its heartbeat is older than the lease, or (with
+-- A consumer is gone when its row is missing, its heartbeat is older than its lease (its own
+-- lease_timeout, stored at registration; %(lease)s, the sweeper's, for a row of an older
+-- pgbroker that has none), or (with
 -- advisory locks) the lock its session held is no longer held: its connection died. A lock is
 -- looked for only on the server instance the consumer registered on (server_started): after a
 -- restart or a failover every consumer is reconnecting, and only its heartbeat can tell.
@@ -597,7 +599,8 @@ WITH gone AS MATERIALIZED (
     -- declared gone meanwhile -- its heartbeat waits for that lock, and is the first to get it
     -- when it goes (the sweeper does not queue for it).
     SELECT c.id FROM {schema}.consumers AS c
-    WHERE c.heartbeat_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(lease)s)
+    WHERE c.heartbeat_at < coalesce(%(now)s::timestamptz, now())
+                           - make_interval(secs => coalesce(c.lease_timeout, %(lease)s))
        OR (c.lock_key IS NOT NULL AND c.server_started = pg_postmaster_start_time()
            AND NOT EXISTS (
               SELECT 1 FROM pg_locks AS l
@@ -706,11 +709,14 @@ DELETE FROM {schema}.queues WHERE name = %(name)s;
 
 -- name: consumer_register
 -- Again after a reconnect: the lock (maybe another key) and the server instance are this
--- session's now (job_rescue).
-INSERT INTO {schema}.consumers (id, host, pid, queues, lock_key, server_started)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(lock_key)s, pg_postmaster_start_time())
+-- session's now (job_rescue). The consumer's own lease_timeout goes with it: every judge of its
+-- heartbeat reads it there, not its own setting (0016_consumer_lease.sql); the heartbeat keeps it.
+INSERT INTO {schema}.consumers (id, host, pid, queues, lock_key, server_started, lease_timeout)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(lock_key)s, pg_postmaster_start_time(),
+        %(lease)s)
 ON CONFLICT (id) DO UPDATE SET queues = EXCLUDED.queues, heartbeat_at = now(),
-    lock_key = EXCLUDED.lock_key, server_started = EXCLUDED.server_started;
+    lock_key = EXCLUDED.lock_key, server_started = EXCLUDED.server_started,
+    lease_timeout = EXCLUDED.lease_timeout;
 
 -- name: consumer_heartbeat
 -- The lease. It writes the consumer's own row only, and never waits for another session's lock

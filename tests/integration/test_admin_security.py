@@ -13,6 +13,8 @@ import psycopg
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
+from werkzeug.datastructures import Authorization
+from werkzeug.test import TestResponse
 from psycopg.types.json import Jsonb
 
 from pgbroker.admin import create_app
@@ -142,6 +144,32 @@ def test_failed_logins_are_throttled(app: Flask) -> None:
     assert "Too many failed logins" in right.text
     # another address is not held up by this one
     log_in(app, address="198.51.100.9")
+
+
+@pytest.mark.parametrize("scheme", ["basic", "bearer"])
+def test_wrong_metrics_credentials_share_the_login_throttle(app: Flask, scheme: str) -> None:
+    """Issue 27, item 5: /metrics checks the same credentials as /login, so it is throttled as
+    /login is (it was an unthrottled password oracle: 500 guesses, all 401, then 200)."""
+    client = app.test_client()
+    client.environ_base["REMOTE_ADDR"] = "203.0.113.8"
+
+    def scrape(secret: str) -> TestResponse:
+        auth = ("alice", secret) if scheme == "basic" else Authorization("bearer", token=secret)
+        return client.get("/metrics", auth=auth)
+
+    statuses = [scrape(f"guess {i}").status_code for i in range(300)]
+    assert statuses[:10] == [401] * 10
+    assert set(statuses[10:]) == {429}
+    right = scrape("correct horse" if scheme == "basic" else "s3cret-token-0123")
+    assert right.status_code == 429 and int(right.headers["Retry-After"]) >= 1
+    # one budget: the login form from that address waits too
+    token = csrf_of(client.get("/login").text)
+    assert client.post("/login", data={"user": "alice", "password": "correct horse",
+                                       "csrf_token": token}).status_code == 429
+    # another address is not held up by this one
+    other = app.test_client()
+    other.environ_base["REMOTE_ADDR"] = "198.51.100.10"
+    assert other.get("/metrics", auth=("alice", "correct horse")).status_code == 200
 
 
 # -- weak secrets --------------------------------------------------------------------------------

@@ -491,7 +491,8 @@ def test_sweeper_rescues_a_consumer_whose_advisory_lock_is_gone(
     worker = psycopg.connect(db_url, autocommit=True)  # the consumer's own session: it takes
     worker.execute("SELECT pg_advisory_lock(%s, %s)", (lock_class("pgbroker"), key))  # the lock
     worker.execute(queries("pgbroker")["consumer_register"], {  # and registers, as a Lease does
-        "id": consumer, "host": "elsewhere", "pid": 1, "queues": ["lock"], "lock_key": key})
+        "id": consumer, "host": "elsewhere", "pid": 1, "queues": ["lock"], "lock_key": key,
+        "lease": 20})
     store.insert(new_job("lock", {"n": 1}))
     [job] = store.claim("lock", 1, consumer)
     sweeper = Sweeper(store)

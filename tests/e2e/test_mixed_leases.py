@@ -1,0 +1,47 @@
+"""Workers configured with different leases share a database (issue 27, item 4): each consumer
+is judged by the lease it registered with, never by the setting of the worker that sweeps.
+
+A worker with ``lease_timeout = 60`` heartbeats every 25 s; a worker with 20 s sweeps every
+second. Before 0016 the sweeper judged every consumer by its own 20 s: the long-lease worker's
+heartbeat turned 20 s old in the middle of its long task, and its job was redelivered while it
+ran.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from celery import Celery
+
+from tests.e2e.app import nap
+from tests.e2e.support import job, key_runs, start_worker
+from tests.support.processes import wait_for
+
+SHORT = {"lease_timeout": 20, "heartbeat_interval": 5, "sweep_interval": 1}
+LONG = {"lease_timeout": 60, "heartbeat_interval": 25, "sweep_interval": 60}
+
+
+def test_a_short_lease_sweeper_never_rescues_a_long_lease_workers_running_job(
+        broker_url: str, producer: Celery, pg: psycopg.Connection) -> None:
+    start_worker(broker_url, "-c", "1", "-Q", "short", options=SHORT)
+    start_worker(broker_url, "-c", "1", "-Q", "long", options=LONG)
+    assert sorted(r[0] for r in pg.execute(
+        "SELECT DISTINCT lease_timeout FROM pgbroker.consumers")) == [20, 60]
+
+    result = nap.apply_async(("long-nap", 40), queue="long")
+    silence = 0.0  # the long-lease consumer's longest silence seen while its task ran
+
+    def finished() -> bool:
+        nonlocal silence
+        if key_runs(pg, "long-nap"):
+            row = pg.execute("SELECT max(extract(epoch FROM now() - heartbeat_at))::float8 "
+                             "FROM pgbroker.consumers WHERE lease_timeout = 60").fetchone()
+            silence = max(silence, row[0] or 0.0)
+        return bool(key_runs(pg, "long-nap:done"))
+
+    wait_for(finished, timeout=120, interval=0.2, message="the 40 s nap to finish")
+    # the short-lease worker swept every second while the long one was silent for longer
+    # than 20 s: by its own setting it would have declared it lost
+    assert silence > SHORT["lease_timeout"]
+    row = job(pg, result.id)
+    assert (row["state"], row["attempts"], row["last_error"]) == ("completed", 1, None)
+    assert [r["redelivered"] for r in key_runs(pg, "long-nap")] == [False]
