@@ -231,7 +231,7 @@ class ClaimPolicy:
         self._failed_wait = min(max(2 * self._failed_wait, first), most)
         logger.warning("pgbroker: a claim failed on a living connection (SQLSTATE %s: %s); "
                        "claims wait %ss", getattr(exc, "sqlstate", None),
-                       str(exc).strip().splitlines()[0] if str(exc).strip() else exc,
+                       (str(exc).strip() or type(exc).__name__).splitlines()[0],
                        self._failed_wait)
         self.quiet_until = monotonic() + self._failed_wait
         self.more, self.held_wake, self._round = False, True, []

@@ -97,6 +97,7 @@ class Consumer:
         """The consumer's registration and heartbeats, made when first asked (not by producers)."""
         if self._lease is None:  # (its store's reconnect: a turn checks the LISTEN connection)
             self._lease = Lease(self.store, self.queues, self.request_turn)
+            self._lease.settle_status = self._settler.status
         return self._lease
 
     @property

@@ -202,7 +202,7 @@ def connect(conninfo: str, *, autocommit: bool = True, connect_timeout: float = 
     except psycopg.Error as exc:
         raise DatabaseUnavailable(
             f"cannot connect to PostgreSQL at {mask_password(libpq_url(conninfo))}: "
-            f"{_first_line(exc)}"
+            f"{first_line(exc)}"
         ) from exc
     if read_only(conn):
         conn.close()
@@ -372,11 +372,11 @@ def translate_errors(what: str) -> Iterator[None]:
         raise
     except psycopg.errors.ReadOnlySqlTransaction as exc:
         # a standby reached without target_session_attrs, or a demoted primary: as good as gone
-        raise DatabaseUnavailable(f"{what}: the server is read-only: {_first_line(exc)}") from exc
+        raise DatabaseUnavailable(f"{what}: the server is read-only: {first_line(exc)}") from exc
     except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
         if not lost_connection(exc):
             raise
-        raise DatabaseUnavailable(f"{what}: {_first_line(exc)}") from exc
+        raise DatabaseUnavailable(f"{what}: {first_line(exc)}") from exc
 
 
 #: SQLSTATEs that end the session (besides class 08, connection exceptions): the server shuts
@@ -400,6 +400,6 @@ def lost_connection(exc: BaseException) -> bool:
     return isinstance(exc, OSError)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

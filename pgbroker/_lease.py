@@ -58,6 +58,9 @@ class Lease:
         self._locked_on: psycopg.Connection[Any] | None = None  # the session holding our lock
         self._moved = False  # the lock key changed at a reconnect: register it at the next beat
         self._mutex = threading.Lock()
+        #: (seconds its settling statements have failed for, the last error), or (None, None):
+        #: written with each heartbeat (the consumer's Settler.status)
+        self.settle_status: Callable[[], tuple[float | None, str | None]] = lambda: (None, None)
 
     def ensure(self, refresh: bool = False) -> uuid.UUID:
         """Register (once) and start heartbeating; returns the consumer id to claim with.
@@ -65,7 +68,7 @@ class Lease:
         (a queue with x-expires must never look unconsumed)."""
         if self._started:
             if refresh:
-                self._store.heartbeat(self.id, self._queues())
+                self._store.heartbeat(self.id, self._queues(), *self.settle_status())
             return self.id
         if not self._started:
             with self._mutex:
@@ -127,7 +130,7 @@ class Lease:
                 if self._moved:
                     self._moved = False
                     self._register()
-                if not self._store.heartbeat(self.id, self._queues()):
+                if not self._store.heartbeat(self.id, self._queues(), *self.settle_status()):
                     logger.warning(
                         "pgbroker consumer %s was declared lost (no heartbeat for %ss); its "
                         "running jobs were redelivered: registering again", self.id,

@@ -50,6 +50,8 @@ class Settler:
         #: settling statements that failed in a row (on a living connection), and the WARNING
         self.failures = 0
         self._warned_at = 0.0
+        self._failing_since: float | None = None  # monotonic, while they fail
+        self._error: str | None = None
 
     def __call__(self, op: str, deliveries: list[Delivery], error: str | None = None,
                  again: bool = False) -> None:
@@ -80,13 +82,16 @@ class Settler:
         """``op`` on ``deliveries`` failed on a living connection: kept, tried again, said."""
         self.failures += 1
         self.pending.extend((op, delivery, error) for delivery in deliveries)
+        if self._failing_since is None:
+            self._failing_since = monotonic()
+        self._error = f"SQLSTATE {exc.sqlstate}: {_db.first_line(exc)} ({op} of {len(deliveries)})"
         if monotonic() - self._warned_at >= WARN_EVERY:
             self._warned_at = monotonic()
             logger.warning(
                 "pgbroker: %s of %d job(s) failed on a living connection (SQLSTATE %s: %s): "
                 "their rows stay 'running' under this worker, tried again every %ss (%d failed "
                 "statement(s) so far); first jobs: %s", op, len(deliveries), exc.sqlstate,
-                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                _db.first_line(exc),
                 RETRY, self.failures, ", ".join(str(d[0]) for d in deliveries[:5]))
 
     def keep(self, op: str, deliveries: list[Delivery], error: str | None = None,
@@ -115,4 +120,11 @@ class Settler:
         if failures and self.failures == failures:
             logger.warning("pgbroker: delivery updates are written again, after %d failed "
                            "statement(s)", failures)
-            self.failures = 0
+            self.failures, self._failing_since, self._error = 0, None, None
+
+    def status(self) -> tuple[float | None, str | None]:
+        """(seconds its settling statements have failed for, the last error): (None, None)
+        while they are written (the lease writes it with each heartbeat)."""
+        if self._failing_since is None:
+            return None, None
+        return monotonic() - self._failing_since, self._error

@@ -601,10 +601,13 @@ class Store:
             "id": consumer, "host": socket.gethostname(), "pid": os.getpid(),
             "queues": list(queues), "lock_key": lock_key, "lease": self.settings.lease_timeout})
 
-    def heartbeat(self, consumer: uuid.UUID, queues: Sequence[str]) -> bool:
-        """Renew the lease; False when the consumer was declared gone (its jobs rescued)."""
-        return self._execute("consumer_heartbeat", {"id": consumer,
-                                                    "queues": list(queues)}).rowcount == 1
+    def heartbeat(self, consumer: uuid.UUID, queues: Sequence[str],
+                  failing_for: float | None = None, settle_error: str | None = None) -> bool:
+        """Renew the lease; False when the consumer was declared gone (its jobs rescued).
+        ``failing_for``/``settle_error``: its settling statements fail (pgbroker._settle)."""
+        return self._execute("consumer_heartbeat", {
+            "id": consumer, "queues": list(queues), "failing_for": failing_for,
+            "settle_error": settle_error}).rowcount == 1
 
     def autovacuum_on(self) -> bool:
         """Whether autovacuum vacuums ``jobs`` (see docs/operations.md, "Vacuum")."""

@@ -42,7 +42,7 @@ from .sweeper import lock_class
 __all__ = ["EXIT_CODES", "Verdict", "beat", "queue", "vacuum", "worker"]
 
 #: Exit status of ``pgbroker health`` per verdict.
-EXIT_CODES = {"ok": 0, "stale": 3, "missing": 4}
+EXIT_CODES = {"ok": 0, "stale": 3, "failing": 3, "missing": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Verdict:
     """The outcome of one check."""
 
     check: str     # worker, queue, beat, vacuum
-    status: str    # ok, stale, missing
+    status: str    # ok, stale, failing, missing
     reason: str    # one sentence for a person
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -88,14 +88,21 @@ def _consumers(conn: psycopg.Connection[Any], schema: str, *, lease_timeout: flo
 
 def worker(conn: psycopg.Connection[Any], schema: str = "pgbroker", *, host: str | None = None,
            pid: int | None = None, consumer: uuid.UUID | None = None,
-           lease_timeout: float = 20.0) -> Verdict:
-    """Is a worker alive: a consumer of ``host`` (and ``pid``), or the consumer ``consumer``?"""
+           lease_timeout: float = 20.0, max_settle_failing: float = 30.0) -> Verdict:
+    """Is a worker alive: a consumer of ``host`` (and ``pid``), or the consumer ``consumer``?
+    Alive but failing: its acks have failed on a living connection for longer than
+    ``max_settle_failing`` seconds (a full disk, a statement timeout: its jobs stay running)."""
     who = (f"consumer {consumer}" if consumer else
            f"host {host}" + (f" pid {pid}" if pid is not None else "") if host else
            f"pid {pid}" if pid is not None else "any host")
     found, alive = _consumers(conn, schema, lease_timeout=lease_timeout, id=consumer,
                               host=host, pid=pid)
     details = {"lease_timeout": lease_timeout, "consumers": [_consumer(r) for r in found]}
+    failing = [r for r in alive if (r["settle_failing_for"] or 0) > max_settle_failing]
+    if failing:
+        return Verdict("worker", "failing", f"{len(failing)} consumer(s) of {who} alive, but "
+                       f"their acks fail for {failing[0]['settle_failing_for']:.0f} s: "
+                       f"{failing[0]['settle_error']}", details)
     if alive:
         return Verdict("worker", "ok", f"{len(alive)} consumer(s) of {who} alive, heartbeat "
                        f"{alive[0]['heartbeat_age']:g} s ago", details)
@@ -111,7 +118,7 @@ def worker(conn: psycopg.Connection[Any], schema: str = "pgbroker", *, host: str
 
 def _consumer(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row[k] for k in ("id", "host", "pid", "queues", "heartbeat_age", "lease_timeout",
-                                "connected")}
+                                "connected", "settle_failing_for", "settle_error")}
 
 
 def queue(conn: psycopg.Connection[Any], schema: str = "pgbroker", name: str = "celery", *,

@@ -119,6 +119,8 @@ class Snapshot:
     duplicates: dict[str, int] = dataclasses.field(default_factory=dict)  #: per queue, ever
     #: paused task names: when, by whom, why, the jobs that caused it, how many jobs wait
     paused_tasks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: consumers whose acks fail on a living connection: (id, host, pid) -> seconds (0017)
+    settle_failing: dict[tuple[str, str, int], float] = dataclasses.field(default_factory=dict)
     #: who holds back VACUUM's horizon, and the hot tables' dead row versions
     vacuum: VacuumReport = dataclasses.field(default_factory=lambda: VacuumReport([], []))
 
@@ -272,6 +274,8 @@ class MetricsReader:
             paused_tasks={r["task"]: {k: v for k, v in r.items() if k != "task"}
                           for r in self.q.dicts(conn, "task_pause_list", {})},
             vacuum=read_vacuum(conn, self.schema, now=now),
+            settle_failing={(c, h, int(p)): float(s) for c, h, p, s
+                            in self._run(conn, "metrics_settle_failures", {})},
         )
 
     def _beat(self, conn: psycopg.Connection[Any]) -> dict[str, float | None]:
@@ -361,6 +365,13 @@ class _Collector:
         yield from (paused, consumers, duplicates)
         yield GaugeMetricFamily("pgbroker_consumers_alive",
                                 "Consumers with a heartbeat within the lease", snap.consumers_alive)
+        failing = GaugeMetricFamily(
+            "pgbroker_consumer_settle_failing_seconds", "Seconds a consumer's acks (requeues, "
+            "burials) have failed on a living connection (a full disk, a timeout): its jobs "
+            "stay running under it until they are written", labels=["consumer", "host", "pid"])
+        for (consumer, host, pid), seconds in snap.settle_failing.items():
+            failing.add_metric([consumer, host, str(pid)], seconds)
+        yield failing
         beat = GaugeMetricFamily("pgbroker_beat_last_run_age_seconds",
                                  "Seconds since each beat entry last ran", labels=["entry"])
         for entry, age in snap.beat.items():

@@ -16,7 +16,10 @@ SELECT c.id, c.host, c.pid, c.queues, c.started_at,
            WHERE l.locktype = 'advisory' AND l.granted
              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
              AND l.classid = %(lock_class)s::oid AND l.objid = c.lock_key::oid
-             AND l.objsubid = 2) AS connected
+             AND l.objsubid = 2) AS connected,
+       -- its acks (requeues, burials) fail on a living connection since then (0017)
+       extract(epoch FROM now() - c.settle_failing_since)::float8 AS settle_failing_for,
+       c.settle_error
 FROM {schema}.consumers AS c
 WHERE (%(id)s::uuid IS NULL OR c.id = %(id)s::uuid)
   AND (%(host)s::text IS NULL OR c.host = %(host)s::text)

@@ -80,6 +80,12 @@ SELECT NULL::text AS queue, count(*) FROM alive
 UNION ALL
 SELECT q.queue, count(*) FROM alive, unnest(alive.queues) AS q(queue) GROUP BY q.queue;
 
+-- name: metrics_settle_failures
+-- Consumers whose settling statements (acks, requeues, burials) fail on a living connection,
+-- and for how long (0017): their jobs stay 'running' under them until they are written.
+SELECT id::text, host, pid, extract(epoch FROM now() - settle_failing_since)::float8
+FROM {schema}.consumers WHERE settle_failing_since IS NOT NULL;
+
 -- name: metrics_queues
 SELECT name, paused FROM {schema}.queues ORDER BY name;
 

@@ -729,7 +729,17 @@ WITH touched AS (
     WHERE name IN (SELECT name FROM {schema}.queues WHERE name = ANY(%(queues)s)
                    FOR NO KEY UPDATE SKIP LOCKED)
 )
-UPDATE {schema}.consumers SET heartbeat_at = now(), queues = %(queues)s WHERE id = %(id)s;
+UPDATE {schema}.consumers
+SET heartbeat_at = now(), queues = %(queues)s,
+    -- its settling statements that keep failing on a living connection (0017): since when
+    -- (%(failing_for)s seconds ago by the worker's count, kept from the first beat that said
+    -- so) and the last error; NULL once they are written again
+    settle_failing_since = CASE WHEN %(failing_for)s::float8 IS NOT NULL
+                                THEN coalesce(settle_failing_since,
+                                              now() - make_interval(secs => %(failing_for)s))
+                           END,
+    settle_error = %(settle_error)s
+WHERE id = %(id)s;
 
 -- name: consumer_unregister
 DELETE FROM {schema}.consumers WHERE id = %(id)s;

@@ -15,7 +15,10 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from celery import Celery
+from prometheus_client import generate_latest
 
+from pgbroker import health
+from pgbroker.metrics import MetricsReader, prometheus_registry
 from tests.e2e import app as e2e
 from tests.e2e.support import SHORT_LEASE, start_worker
 from tests.support.processes import wait_for
@@ -63,6 +66,14 @@ def test_acks_that_fail_on_a_full_disk_run_nothing_twice_and_pause_nothing(
                                 (began, 3 * SHORT_LEASE["lease_timeout"])).fetchone()[0],
              60, interval=0.2, message="three leases under the fault")
     assert states(pg) == {"running": n}, states(pg)
+    # said where an operator looks: the worker's health, /metrics (its heartbeat writes it)
+    wait_for(lambda: health.worker(pg, consumer=consumers[0], max_settle_failing=0).status
+             == "failing", 30, message="the worker's health to say its acks fail")
+    verdict = health.worker(pg, consumer=consumers[0], max_settle_failing=0)
+    assert "SQLSTATE 53100" in verdict.reason, verdict
+    text = generate_latest(prometheus_registry(
+        lambda: MetricsReader(lag=0).snapshot(pg))).decode()
+    assert f'pgbroker_consumer_settle_failing_seconds{{consumer="{consumers[0]}"' in text
     pg.execute("DROP TRIGGER disk_full ON pgbroker.jobs")  # the disk is freed
     wait_for(lambda: states(pg) == {"completed": n}, 30,
              message=lambda: f"every job to complete ({states(pg)})")
@@ -77,4 +88,6 @@ def test_acks_that_fail_on_a_full_disk_run_nothing_twice_and_pause_nothing(
     assert "Connection to broker lost" not in worker.log()
     assert "SQLSTATE 53100" in worker.log()  # the WARNING that names the fault
     worker.wait_for_log("delivery updates are written again", 30)
+    wait_for(lambda: health.worker(pg, consumer=consumers[0], max_settle_failing=0).status
+             == "ok", 30, message="the worker's health to be ok again")
     assert worker.is_alive()
