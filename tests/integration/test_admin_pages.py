@@ -181,7 +181,9 @@ def test_tries_that_sent_a_celery_retry_count_as_retried_not_completed(
     assert 'pgbroker_jobs{queue="q1",state="completed",task="t.a"} 1.0' in metrics
     page = client.get(f"/jobs/{tries[1]}").text
     assert "Retried: this try ended by sending a Celery retry" in page
-    assert page.count(">retried</span>") == 2 and "retried: Retry in 0s: try 1" in page
+    tries_table = page[page.index("Its tries (3)"):]
+    assert tries_table.count(">retried</span>") == 2 and "retried: Retry in 0s: try 1" in page
+    assert "What the states mean" in page and "did not run to its end" in page
 
 
 # -- workers -------------------------------------------------------------------------------------
