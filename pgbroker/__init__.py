@@ -21,7 +21,7 @@ from .enqueue import enqueue, enqueue_many, transaction
 from ._complete import complete
 from .migrate import migrate
 from .settings import Settings
-from . import _failures, _scheduled, _startup, signals  # noqa: F401 - signals: public
+from . import _endings, _failures, _scheduled, _startup, signals  # noqa: F401 - signals: public
 from .transport import register_scheme
 
 __all__ = [
@@ -49,5 +49,6 @@ __version__ = "0.1.0"
 
 register_scheme()
 _failures.connect()
+_endings.connect()
 _scheduled.connect()
 _startup.connect()

@@ -8,23 +8,19 @@ an operator sees and can retry, not a silent ``completed``.
 
 The hook must not fail, or the ack completes the failed job: any text is stored (escaped where
 PostgreSQL text cannot hold it: ``pgbroker._text``), and a lost connection is retried on a new
-one for up to :data:`RECORD_FOR` seconds, before the pool process hands the task's result back
-(so before Celery acks it).
+one for up to ``RECORD_FOR`` seconds (:mod:`pgbroker._hookstore`), before the pool process hands
+the task's result back (so before Celery acks it).
 
 Limits: a pool process killed outside the task (SIGKILL) runs no hook; Celery then rejects the
 message (``task_reject_on_worker_lost``) or acks it as a ``WorkerLostError`` failure, which Celery
 reports to the main process's hook. A pool process that cannot reach the database for
-:data:`RECORD_FOR` seconds while the main process can (its ack gets through) leaves the job
+``RECORD_FOR`` seconds while the main process can (its ack gets through) leaves the job
 ``completed``; it logs the failure at ERROR.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import threading
-import time
 import uuid
 from typing import Any
 
@@ -32,30 +28,17 @@ import psycopg
 from billiard.exceptions import WorkerLostError
 from celery import signals
 
-from ._broker import find
+from ._hookstore import retrying, store_for
 from ._messages import parse_delivery_tag
 from ._store import Store
 from .errors import DatabaseUnavailable
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a task's failure is retried on a new connection when the database cannot be reached.
-RECORD_FOR = 30.0
-
-_stores: dict[tuple[int, int], Store | None] = {}
-_lock = threading.Lock()
-
 
 def _store_for(app: Any) -> Store | None:
     """This process's store for ``app``'s broker (None when the broker is not pgbroker)."""
-    key = (os.getpid(), id(app))
-    with _lock:
-        if key not in _stores:
-            broker = find(app)  # no I/O: just the options
-            _stores[key] = None if broker is None else Store(
-                broker.conninfo, dataclasses.replace(broker.settings, auto_migrate=False),
-                application_name="pgbroker failure hook")
-        return _stores[key]
+    return store_for(app, "pgbroker failure hook")
 
 
 def on_task_failure(sender: Any = None, exception: BaseException | None = None,
@@ -103,26 +86,15 @@ def _record(store: Store, job_id: uuid.UUID, attempt: int, error: str,
     """``store.fail``, retried on a new connection for up to RECORD_FOR seconds when the
     database cannot be reached; a row that refuses the text (a trigger, say) gets the error's
     first line alone."""
-    deadline = time.monotonic() + RECORD_FOR
-    delay = 0.1
-    while True:
-        try:
-            store.fail(job_id, attempt, error, traceback, lost)
-            return
-        except (DatabaseUnavailable, psycopg.OperationalError):
-            # the connection lost, or a statement that failed on it (a full disk, a timeout):
-            # both may pass
-            store.close()
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
-        except Exception as exc:  # noqa: BLE001 - not the connection: try the bare minimum
-            logger.warning("pgbroker: recording the failure of job %s failed (%s); recording "
-                           "its first line alone", job_id, exc)
-            store.fail(job_id, attempt, error.splitlines()[0][:1000] if error else "task failed",
-                       None)
-            return
+    try:
+        retrying(store, lambda: store.fail(job_id, attempt, error, traceback, lost))
+    except (DatabaseUnavailable, psycopg.OperationalError):
+        raise  # (retried for RECORD_FOR seconds already)
+    except Exception as exc:  # noqa: BLE001 - not the connection: try the bare minimum
+        logger.warning("pgbroker: recording the failure of job %s failed (%s); recording "
+                       "its first line alone", job_id, exc)
+        store.fail(job_id, attempt, error.splitlines()[0][:1000] if error else "task failed",
+                   None)
 
 
 def on_task_unknown(sender: Any = None, name: str | None = None, message: Any = None,

@@ -11,9 +11,12 @@ worker ran reached nobody. With the queue in PostgreSQL the revoke can be writte
   statement cancels the ids' pending and scheduled jobs, flags the claimed ones (running, or
   prefetched in a worker's memory) with ``revoked_at``, writes an audit row per job, and inserts
   the broadcast the live workers read. This works with no worker running at all.
-* A flagged job ends ``cancelled`` when its delivery ends, however it ends: acked (the task ran,
-  or the worker discarded it as revoked, or terminated it), requeued, restored at shutdown or
-  rescued by the sweeper after its worker died. It never goes back to ``pending``.
+* A flagged job never goes back to ``pending``: requeued, restored at shutdown or rescued by the
+  sweeper after its worker died, it ends ``cancelled``. Acked, it ends ``cancelled`` when its
+  worker carried the revoke out -- discarded the delivery, or terminated the pool process running
+  it (:mod:`pgbroker._endings`) -- and otherwise as its task ended it (``completed`` or ``dead``):
+  a thread pool cannot terminate a task, and a revoke without ``terminate`` stops none that runs.
+  Its ``revoked_at`` and last error say that a revoke came.
 * ``pgbroker revoke ID...`` (the CLI) runs the same statement with a broadcast it builds itself
   (:func:`pidbox_message`) and prints what happened to each id (:class:`Outcome`).
 
@@ -94,7 +97,8 @@ class Outcome:
         job = f"job {self.job_id}"
         return {
             "cancelled": f"{job} cancelled (was {self.state})",
-            "flagged": f"{job} flagged while running: it ends cancelled, never runs again",
+            "flagged": f"{job} flagged while running: it never runs again "
+                       "(cancelled if its worker stops it, else as its task ends)",
             "not found": "not found: no job has this task id, nothing changed",
             "already revoked": f"{job} already revoked while running, nothing changed",
             "already finished": f"{job} already finished ({self.state}), nothing changed",
@@ -160,7 +164,7 @@ def _log(outcomes: Sequence[Outcome]) -> None:
                         shown)
         elif kind == "flagged":
             logger.info("pgbroker: revoke flagged %d running job(s) of task id(s) %s: they "
-                        "end cancelled", len(items), shown)
+                        "never run again", len(items), shown)
         else:
             logger.warning("pgbroker: revoke of task id(s) %s: %s", shown, _UNCHANGED[kind])
 

@@ -404,6 +404,13 @@ class Store:
             self.record_losses([(job_id, attempt)])
         return len(rows)
 
+    def record_ending(self, how: str, job_id: uuid.UUID, attempt: int, note: str) -> bool:
+        """What Celery did with this delivery that only its worker sees (sql/endings.sql):
+        ``how`` is "stopped" (a revoke carried out) or "retried" (its task sent a retry).
+        Whether the delivery's row was found."""
+        return bool(self._execute(f"job_{how}", {"id": job_id, "attempt": attempt,
+                                                 "note": _error(note)}).rowcount)
+
     def record_losses(self, deliveries: Sequence[tuple[uuid.UUID, int]],
                       via: str = "worker") -> None:
         """These deliveries lost their worker: count them towards pausing their task names

@@ -95,7 +95,7 @@ from ._schedule import (
 )
 from ._sql import Queries
 from .enqueue import enqueue
-from .errors import ConfigurationError, DatabaseUnavailable
+from .errors import ConfigurationError
 from .migrate import connect_ready
 from .schedules import ENQUEUE_OPTIONS, EntryConfig, Schedules, entry_config, save_entry
 from .settings import Settings

@@ -3,8 +3,9 @@
 Per queue and task name: pending (due now), scheduled (future ``run_at``), running, dead (the
 failures), poison (dead because the consumer was lost during every attempt), redelivered (pending
 or running jobs delivered before), the age of the oldest pending job (database clock), and the
-completed / cancelled / expired jobs of the retention window. Per queue: paused, consumers alive,
-publishes ever dropped as duplicates (``publish_duplicates``).
+completed / retried / cancelled / expired jobs of the retention window (retried: a try whose
+task sent a Celery retry, acked ``completed``, its task going on in a new job: not completed).
+Per queue: paused, consumers alive, publishes ever dropped as duplicates (``publish_duplicates``).
 Per enabled beat entry: the age of its last completed run (``pgbroker.beat``'s
 ``beat_status`` view). VACUUM's side (:mod:`pgbroker._vacuum`): the oldest transactions,
 snapshots, prepared transactions, replication slots and standbys holding back its horizon, and
@@ -52,10 +53,11 @@ logger = logging.getLogger(__name__)
 
 #: States counted exactly (small) and incrementally (finished, within the window).
 ACTIVE_STATES = ("pending", "scheduled", "running", "dead")
-FINISHED_STATES = ("completed", "cancelled", "expired")
+#: (retried: a completed try whose task sent a Celery retry, not counted as completed)
+FINISHED_STATES = ("completed", "retried", "cancelled", "expired")
 
-_COUNTS = ("pending", "scheduled", "running", "dead", "completed", "cancelled", "expired",
-           "redelivered", "poison")
+_COUNTS = ("pending", "scheduled", "running", "dead", "completed", "retried", "cancelled",
+           "expired", "redelivered", "poison")
 
 
 def is_internal_queue(name: str) -> bool:
@@ -76,6 +78,7 @@ class TaskStats:
     running: int = 0
     dead: int = 0
     completed: int = 0
+    retried: int = 0  #: completed tries whose task sent a Celery retry (its next try is a job)
     cancelled: int = 0
     expired: int = 0
     redelivered: int = 0
@@ -328,8 +331,8 @@ class _Collector:
         yield GaugeMetricFamily("pgbroker_scrape_duration_seconds",
                                 "Seconds the metrics queries took", snap.duration)
         jobs = GaugeMetricFamily(
-            "pgbroker_jobs", "Jobs per queue, task and state (completed, cancelled and expired: "
-            "those finished within the window)", labels=["queue", "task", "state"])
+            "pgbroker_jobs", "Jobs per queue, task and state (completed, retried, cancelled and "
+            "expired: those finished within the window; retried: a try that sent a Celery retry)", labels=["queue", "task", "state"])
         redelivered = GaugeMetricFamily(
             "pgbroker_jobs_redelivered", "Pending or running jobs that were delivered before",
             labels=["queue", "task"])

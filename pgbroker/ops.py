@@ -254,6 +254,11 @@ class Operations:
             raise OperationError(f"no job with id {jid}")
         return rows[0]
 
+    def chain(self, task_id: str) -> list[dict[str, Any]]:
+        """Every job of one Celery task id, oldest try first: each Celery retry is a new job
+        with ``retries + 1``; ``retried`` marks a try that sent one (its row is completed)."""
+        return self._rows("job_history", {"task_id": task_id})
+
     def lookup(self, text: str) -> list[dict[str, Any]]:
         """Jobs whose job id, Celery task id or idempotency key is ``text`` (newest first)."""
         text = text.strip()

@@ -51,8 +51,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(snap.as_dict()))
         return 0
-    counts = ["pending", "scheduled", "running", "dead", "poison", "completed", "cancelled",
-              "expired", "redelivered", "oldest_pending_age"]
+    counts = ["pending", "scheduled", "running", "dead", "poison", "completed", "retried",
+              "cancelled", "expired", "redelivered", "oldest_pending_age"]
     heads = [c.upper().replace("_", " ") for c in counts]
     queues = snap.queues()
     rows = [[q.queue, "yes" if q.paused else "no"] + [getattr(q, c) for c in counts]
@@ -109,20 +109,33 @@ def cmd_jobs_show(ops: Operations, args: argparse.Namespace) -> int:
     rows = ops.lookup(args.id)
     if not rows:
         raise OperationError(f"no job has the id, Celery task id or idempotency key {args.id!r}")
-    if len(rows) > 1:
+    # the newest match; with a Celery task id, the newest try of its chain
+    job = rows[0] if "body" in rows[0] else ops.job(rows[0]["id"])
+    chain = ops.chain(job["task_id"]) if job["task_id"] else []
+    if not {r["id"] for r in rows} <= {t["id"] for t in chain} | {job["id"]}:
         print(f"{len(rows)} jobs match {args.id!r}:")
         print(_job_rows(rows))
         return 0
-    job = rows[0] if "body" in rows[0] else ops.job(rows[0]["id"])
     body = body_text(job.pop("body"), job["content_type"])
+    job["retried"] = any(t["retried"] for t in chain if t["id"] == job["id"])
     if args.json:
-        print(to_json({**job, "body": body}))
+        print(to_json({**job, "body": body, "chain": chain}))
         return 0
     width = max(len(k) for k in job)
     for key, value in job.items():
-        if key in ("last_traceback", "headers", "properties"):
+        if key in ("last_traceback", "headers", "properties", "retried"):
             continue
+        if key == "state" and job["retried"]:
+            value = "retried (completed: its task sent a Celery retry, the next try below)"
         print(f"{key.ljust(width)}  {fmt(value)}")
+    if len(chain) > 1:
+        print(f"tries of Celery task id {job['task_id']} ({len(chain)}; each Celery retry is a "
+              "new job with retries + 1):")
+        print(table(["RETRIES", "JOB", "QUEUE", "STATE", "ATTEMPTS", "CREATED", "CLAIMED",
+                     "FINISHED OR UPDATED", "LAST ERROR"],
+                    [[t["retries"], t["id"], t["queue"], "retried" if t["retried"] else t["state"],
+                      f"{t['attempts']}/{t['max_attempts']}", t["created_at"], t["locked_at"],
+                      t["updated_at"], first_line(t["last_error"])] for t in chain]))
     for key in ("headers", "properties"):
         print(f"{key}:\n{json.dumps(job[key], indent=2, default=str)}")
     if job["last_traceback"]:

@@ -327,9 +327,15 @@ FROM {schema}.jobs AS j WHERE j.id = %(id)s;
 
 -- name: job_history
 -- Every row of one Celery task id: each retry (self.retry(), autoretry) is a new row with
--- retries + 1, a replace() one with the same retries; jobs_message_idx (task_id first).
+-- retries + 1, a replace() one with the same retries; jobs_message_idx (task_id first). Also
+-- read by `pgbroker jobs show` (pgbroker.ops.Operations.chain).
 SELECT id, queue, state, retries, attempts, max_attempts, created_at, run_at, locked_at,
-       updated_at, last_error
+       updated_at, last_error, revoked_at,
+       -- retried: this try sent a Celery retry and was acked 'completed' (retried_attempt,
+       -- pgbroker._endings); a row acked before migration 0018 tells it by its next try
+       state = 'completed'
+       AND (coalesce(retried_attempt = attempts, false)
+            OR coalesce(lead(retries) OVER (ORDER BY retries, id) > retries, false)) AS retried
 FROM {schema}.jobs
 WHERE task_id = %(task_id)s
 ORDER BY retries, id

@@ -56,7 +56,12 @@ FROM {schema}.jobs WHERE state = 'dead' GROUP BY queue, task;
 -- (%(since)s, %(upto)s]: a range scan of jobs_finished_idx (updated_at), so a scrape reads only
 -- the rows finished since the previous one (pgbroker.metrics keeps the per-minute counts of the
 -- retention window in memory). A NULL %(since)s counts the whole window once, at the first scrape.
-SELECT date_trunc('minute', updated_at) AS minute, queue, task, state, count(*) AS n
+-- A completed try whose task sent a Celery retry counts as 'retried' (retried_attempt, set by
+-- pgbroker._endings before its ack; migration 0018): its task went on in a new job.
+SELECT date_trunc('minute', updated_at) AS minute, queue, task,
+       CASE WHEN retried_attempt = attempts AND state = 'completed' THEN 'retried'
+            ELSE state END AS state,
+       count(*) AS n
 FROM {schema}.jobs
 WHERE state IN ('completed', 'cancelled', 'expired')
   AND updated_at > coalesce(%(since)s::timestamptz, '-infinity')

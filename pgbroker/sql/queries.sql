@@ -176,7 +176,7 @@ WITH candidates AS MATERIALIZED (
     -- A row updated here is 'pending' only if it is a candidate (locked above, so unchanged);
     -- an acked one is 'running' (and ends as job_ack says).
     SET state = CASE WHEN j.state = 'pending' THEN 'running'
-                     WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+                     WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         -- an attempt is spent at claim: a job that kills its worker has used it up, so a
         -- poison job cannot loop
@@ -302,7 +302,7 @@ WITH acking AS MATERIALIZED (
     -- (A deferred candidate goes back to 'scheduled', due when its task may start again.)
     SET state = CASE WHEN j.id = ANY(c.deferred) THEN 'scheduled'
                      WHEN j.state = 'pending' THEN 'running'
-                     WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+                     WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         -- an attempt is spent at claim: a job that kills its worker has used it up, so a
         -- poison job cannot loop
@@ -340,8 +340,9 @@ WHERE state IN ('running', 'dead');
 -- a job that was redelivered meanwhile matches no row and changes nothing. Celery acks a task
 -- that raised (task_acks_on_failure_or_timeout): the failure hook recorded that attempt in
 -- failed_attempt, so it ends 'dead' with its error -- a dead letter, not a silent 'completed'.
--- A job revoked while it was claimed (job_revoke) ends 'cancelled', whatever its task did: the
--- worker discarded it, terminated it, or ran it to its end (its error, if any, stays).
+-- A job revoked while it was claimed (job_revoke) ends 'cancelled' only if its worker carried the
+-- revoke out -- discarded it, or terminated it (job_stopped, sql/endings.sql) --, else as its
+-- task ended it: a pool that cannot terminate (threads) runs it to its end.
 -- Never waits for a row another session has locked (an open transaction in psql, say): such a
 -- delivery is returned as not done, and the consumer tries it again later; the others are acked
 -- now. (The claim folds acks into one statement without this; see Store.claim.)
@@ -358,7 +359,7 @@ WITH due AS MATERIALIZED (
 ), acked AS (
     UPDATE {schema}.jobs AS j
     -- (locked_at, the claim's time, stays: the admin page's run times are claim -> ack)
-    SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled'
+    SET state = CASE WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
     FROM taken WHERE j.id = taken.id
@@ -375,8 +376,8 @@ FROM due AS d LEFT JOIN acked AS a ON a.id = d.id;
 
 -- name: job_ack_delete
 -- Retention 0: an acked delivery is deleted at once -- unless its task failed (kept, 'dead') or
--- it was revoked (kept, 'cancelled', until the next prune, as job_ack would end it). Locked rows
--- as in job_ack.
+-- it was revoked (kept until the next prune, ended as job_ack would end it: its worker's report
+-- that it stopped it, job_stopped, may come after this ack). Locked rows as in job_ack.
 WITH due AS MATERIALIZED (
     SELECT j.id, j.attempts FROM {schema}.jobs AS j
     JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
@@ -393,7 +394,8 @@ WITH due AS MATERIALIZED (
     RETURNING j.id, 'completed'::text AS state, j.task, j.last_error
 ), kept AS (
     UPDATE {schema}.jobs AS j
-    SET state = CASE WHEN j.revoked_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
+    SET state = CASE WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
+                     WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
     FROM taken WHERE j.id = taken.id AND NOT taken.done
     RETURNING j.id, j.state, j.task, j.last_error

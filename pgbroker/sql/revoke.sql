@@ -7,10 +7,12 @@
 -- for the live workers, in one statement: the database and the workers are told together, and a
 -- revoke sent while no worker runs is kept all the same. A job that has not been claimed is
 -- cancelled; a claimed one (running, or prefetched in a worker's memory) cannot be taken back
--- from its worker, so it is flagged (revoked_at): whatever ends its delivery ends it 'cancelled'
--- (job_ack and the acks in job_claim, job_ack_delete, job_bury, job_requeue, job_rescue in
--- queries.sql). Finished jobs are left alone. Returns one row per job changed and one per task
--- id left unchanged, with its newest job's state, so the caller can say what happened to each.
+-- from its worker, so it is flagged (revoked_at): it never runs again -- a requeue, a reject or a
+-- rescue ends it 'cancelled' (job_requeue, job_bury, job_rescue in queries.sql); an ack ends it
+-- 'cancelled' when its worker carried the revoke out (job_stopped, endings.sql), else as its
+-- task ended it (job_ack and the acks in job_claim). Finished jobs are left alone. Returns one
+-- row per job changed and one per task id left unchanged, with its newest job's state, so the
+-- caller can say what happened to each.
 WITH picked AS MATERIALIZED (
     -- FOR UPDATE, not SKIP LOCKED: a job being claimed or promoted right now is waited for and
     -- read again as it committed (READ COMMITTED), so it is flagged as running, not missed.

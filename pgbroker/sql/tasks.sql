@@ -132,10 +132,11 @@ SELECT task, streak, job_ids, last_at FROM {schema}.task_losses ORDER BY last_at
 -- nothing, and the caller must not commit. Its row stays locked until the caller's transaction
 -- ends, so no ack, rescue or requeue can pass it meanwhile; after the commit the worker's own
 -- ack (state = 'running' AND attempts = ...) and failure hook (completed_attempt) change
--- nothing. Revoked while claimed, it ends 'cancelled', as job_ack would end it.
+-- nothing. Revoked while claimed, it ends 'completed' all the same: its task ran to this commit
+-- (revoked_at and the revoke's note say a revoke came).
 WITH done AS (
     UPDATE {schema}.jobs
-    SET state = CASE WHEN revoked_at IS NOT NULL THEN 'cancelled' ELSE 'completed' END,
+    SET state = 'completed',
         completed_attempt = attempts, updated_at = now()
     WHERE id = %(id)s AND attempts = %(attempt)s AND state = 'running'
     RETURNING task

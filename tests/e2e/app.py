@@ -103,6 +103,13 @@ def flaky(self, key: str, failures: int) -> str:
     return key
 
 
+@app.task(bind=True, autoretry_for=(Transient,), max_retries=2, retry_kwargs={"countdown": 0})
+def relapse(self, key: str) -> None:
+    """Fails every time: two Celery retries at once, then the final failure."""
+    record(self, key)
+    raise Transient(f"try {self.request.retries} fails on purpose")
+
+
 @app.task(bind=True)
 def boom(self, key: str) -> None:
     """Always raises: a final failure."""

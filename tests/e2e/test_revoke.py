@@ -92,6 +92,10 @@ def test_a_revoked_prefetched_job_never_runs_after_its_worker_is_killed_and_term
     second.wait_for_log(f"Terminating {blocker.id}")
     row = wait_state(runs, blocker.id, "cancelled")
     assert row["attempts"] == 2 and row["revoked_at"] is not None
+    # (the worker said it terminated it: Celery's task_revoked, pgbroker._endings)
+    assert row["cancelled_attempt"] == 2
+    assert row["last_error"].endswith("while running; its worker terminated it (signal 15) "
+                                      "before it finished"), row["last_error"]
     assert key_runs(runs, "blocker:done") == []
     # the pool goes on: a task sent now runs
     after = e2e.touch.delay("after")

@@ -163,6 +163,29 @@ def test_a_jobs_page_shows_every_try_of_its_task(client: FlaskClient,  # noqa: F
     assert "<h2>Arguments</h2>" in html and "&#34;x&#34;" in html
 
 
+def test_tries_that_sent_a_celery_retry_count_as_retried_not_completed(
+        client: FlaskClient, pg: psycopg.Connection) -> None:  # noqa: F811
+    """Rows as pgbroker._endings and the acks leave them (two tries that sent a retry, the last
+    one dead, and one plain completion): the overview, /metrics and the job page say retried."""
+    tries = [celery_job(pg, state, "x", task_id="celery-8", retries=n, attempts=1,
+                        retried_attempt=1 if n < 2 else None,
+                        last_error=f"retried: Retry in 0s: try {n}" if n < 2 else "ValueError")
+             for n, state in enumerate(["completed", "completed", "dead"])]
+    celery_job(pg, "completed", "y", task_id="celery-9")
+    html = client.get("/overview/live").text
+    row = html[html.index('data-queue="q1"'):]
+    cells = dict(re.findall(r'data-col="(\w+)">(?:<a [^>]*>)?([^<]*)<', row)[:9])
+    assert (cells["completed"], cells["retried"], cells["dead"]) == ("1", "2", "1")
+    metrics = client.get("/metrics", headers={"Authorization": "Bearer s3cret-token-0123"}).text
+    assert 'pgbroker_jobs{queue="q1",state="retried",task="t.a"} 2.0' in metrics
+    assert 'pgbroker_jobs{queue="q1",state="completed",task="t.a"} 1.0' in metrics
+    page = client.get(f"/jobs/{tries[1]}").text
+    assert "Retried: this try ended by sending a Celery retry" in page
+    tries_table = page[page.index("Its tries (3)"):]
+    assert tries_table.count(">retried</span>") == 2 and "retried: Retry in 0s: try 1" in page
+    assert "What the states mean" in page and "did not run to its end" in page
+
+
 # -- workers -------------------------------------------------------------------------------------
 
 def test_the_workers_page_shows_each_consumer_and_what_it_runs(

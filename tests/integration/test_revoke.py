@@ -1,6 +1,7 @@
 """Durable revoke and ``inspect scheduled`` against a real database, without a worker: what
-``app.control.revoke`` writes from the producer's process, how every end of a flagged delivery
-ends it ``cancelled``, the ``pgbroker revoke`` command, and the scheduled listing's bounds.
+``app.control.revoke`` writes from the producer's process, which ends of a flagged delivery
+end it ``cancelled`` (those where its task did not run to its end), the ``pgbroker revoke``
+command, and the scheduled listing's bounds.
 
 The same behaviours with real ``celery worker`` processes: tests/e2e/test_revoke.py.
 """
@@ -75,17 +76,21 @@ def test_a_revoke_sent_while_no_worker_runs_cancels_the_jobs_and_says_what_it_di
             "(cancelled): already finished, nothing changed"
 
 
-def test_a_flagged_delivery_ends_cancelled_however_it_ends(db_url: str,
-                                                          pg: psycopg.Connection) -> None:
-    """A job claimed when it is revoked (running, or prefetched by a worker) is flagged; its
-    ack, its ack folded into a claim, a failed attempt's ack, a reject without requeue, a
-    requeue, a rescue by the sweeper and, with retention 0, its ack-and-delete: each ends it
-    'cancelled', never 'pending', 'completed' or 'dead'. A job claimed and not revoked is
-    unaffected."""
+def test_a_flagged_delivery_ends_cancelled_only_when_it_did_not_run_to_its_end(
+        db_url: str, pg: psycopg.Connection) -> None:
+    """A job claimed when it is revoked (running, or prefetched by a worker) is flagged and never
+    runs again: a reject without requeue, a requeue and a rescue by the sweeper end it
+    'cancelled'. An ack ends it 'cancelled' only when its worker carried the revoke out
+    (Celery's task_revoked: discarded or terminated, pgbroker._endings), whether that report is
+    written before the ack or after it -- alone, with a claim, or with retention 0's
+    ack-and-delete. Without that report its task ran to its end (a thread pool cannot terminate
+    it): 'completed', or 'dead' if it raised, the revoke's note kept. A job claimed and not
+    revoked is unaffected."""
     store = store_for(db_url)
     bare = store_for(db_url, retention=0)
     ends = ["ack", "claim_ack", "failed_ack", "reject", "requeue", "rescue", "ack_delete",
-            "untouched"]
+            "stopped_ack", "ack_stopped", "stopped_claim_ack", "ack_delete_stopped", "untouched"]
+    terminated = "its worker terminated it (signal 15) before it finished"
     try:
         consumer = uuid.uuid4()
         store.register_consumer(consumer, ["q"], None)
@@ -101,25 +106,41 @@ def test_a_flagged_delivery_ends_cancelled_however_it_ends(db_url: str,
         assert [o.kind for o in outcomes] == ["flagged"] * (len(ends) - 1)
         assert {r["state"] for r in rows(pg, "true")} == {"running"}
 
-        store.ack(delivery["ack"])
+        # the worker says it stopped these before their acks are written ...
+        for end in ("stopped_ack", "stopped_claim_ack"):
+            assert store.record_ending("stopped", *delivery[end][0], terminated)
+        store.ack(delivery["ack"] + delivery["stopped_ack"] + delivery["ack_stopped"])
         store.insert(new_job("q", ["next"], task=TASK, task_id="t-next"))
-        assert len(store.claim("q", 1, consumer, delivery["claim_ack"])) == 1
+        assert len(store.claim("q", 1, consumer,
+                               delivery["claim_ack"] + delivery["stopped_claim_ack"])) == 1
         store.fail(*delivery["failed_ack"][0], "ValueError: boom", "Traceback ...")
         store.ack(delivery["failed_ack"])
         store.bury(*delivery["reject"][0], "rejected by the consumer without requeue")
         store.requeue(delivery["requeue"], "restored unacked")
-        bare.ack(delivery["ack_delete"], delete=True)
+        bare.ack(delivery["ack_delete"] + delivery["ack_delete_stopped"], delete=True)
+        # ... and these after (Celery acks just before it sends task_revoked)
+        for end in ("ack_stopped", "ack_delete_stopped"):
+            assert store.record_ending("stopped", *delivery[end][0], terminated)
         store.ack(delivery["untouched"])
         Sweeper(store).run_once()
 
         states = {j["task_id"]: j["state"] for j in rows(pg, "true")}
-        assert states.pop("t-untouched") == "completed"
         assert states.pop("t-next") == "running"
-        assert states == {f"t-{e}": "cancelled" for e in ends if e != "untouched"}
-        # what the task did stays visible; else the revoke's words
+        assert states == {"t-untouched": "completed", "t-ack": "completed",
+                          "t-claim_ack": "completed", "t-ack_delete": "completed",
+                          "t-failed_ack": "dead"} | {
+            f"t-{e}": "cancelled" for e in ("reject", "requeue", "rescue", "stopped_ack",
+                                            "ack_stopped", "stopped_claim_ack",
+                                            "ack_delete_stopped")}
+        # what the task did stays visible; else the revoke's words, and how it was stopped
         assert rows(pg, "task_id = 't-failed_ack'")[0]["last_error"] == "ValueError: boom"
-        assert rows(pg, "task_id = 't-ack'")[0]["last_error"] == \
-            f"revoked by {os_user()} (test) while running"
+        revoked = f"revoked by {os_user()} (test) while running"
+        assert rows(pg, "task_id = 't-ack'")[0]["last_error"] == revoked
+        assert rows(pg, "task_id = 't-ack_stopped'")[0]["last_error"] == \
+            f"{revoked}; {terminated}"
+        # a late report of an older delivery changes nothing
+        assert not store.record_ending("stopped", delivery["ack"][0][0], 9, terminated)
+        assert rows(pg, "task_id = 't-ack'")[0]["state"] == "completed"
 
         again = _revoke.apply(store, _revoke.RevokeRequest(("t-ack", "t-next")), via="test")
         assert sorted((o.task_id, o.kind) for o in again) == [("t-ack", "already finished"),
@@ -149,7 +170,8 @@ def test_pgbroker_revoke_prints_what_happened_to_each_id(
     ids = {r["task_id"]: r["id"] for r in rows(pg, "true")}
     assert code == 0
     assert out.splitlines() == [
-        f"t-a: job {ids['t-a']} flagged while running: it ends cancelled, never runs again",
+        f"t-a: job {ids['t-a']} flagged while running: it never runs again "
+        "(cancelled if its worker stops it, else as its task ends)",
         f"t-b: job {ids['t-b']} cancelled (was pending)",
         "t-none: not found: no job has this task id, nothing changed"]
     assert [a["detail"]["via"] for a in revoke_audit(pg)] == ["cli", "cli"]
