@@ -413,7 +413,7 @@ def plan(scenario: Scenario, opts: Options, start: float) -> list[Phase]:
     return phases
 
 
-def _pressure_server(opts: Options) -> contextlib.AbstractContextManager[ThrowawayServer]:
+def _pressure_server() -> contextlib.AbstractContextManager[ThrowawayServer]:
     bindir = find_bindir()
     statements = bindir is not None and (bindir.parent / "lib" / "pg_stat_statements.so").exists()
     return stats_server({"autovacuum": "on", "track_counts": "on",
@@ -423,7 +423,6 @@ def _pressure_server(opts: Options) -> contextlib.AbstractContextManager[Throwaw
 def run_scenario(key: str, opts: Options, out_dir: str) -> dict[str, Any]:
     """One scenario on a server of its own; returns (and writes) its figures."""
     scenario = SCENARIOS[key]
-    log = opts.log
     log_dir = os.path.join(out_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     result: dict[str, Any] = {
@@ -431,7 +430,7 @@ def run_scenario(key: str, opts: Options, out_dir: str) -> dict[str, Any]:
         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
         "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "log"}}
-    with _pressure_server(opts) as server, \
+    with _pressure_server() as server, \
             tempfile.TemporaryDirectory(prefix="pgbroker-pressure-") as records:
         try:
             db_url = server.create_database()
@@ -488,6 +487,9 @@ def _drive(scenario: Scenario, opts: Options, db_url: str, records: str, log_dir
             _check(worker, producer)
             if current <= len(phases) and now >= (phases[current].start if current < len(phases)
                                                   else phases[-1].end):
+                late = now - phases[current - 1].end if current else 0.0
+                if late > 0.5:  # the figures read in the last turn took that long
+                    log(f"   (this boundary is {late:.1f} s late)")
                 if stress is not None:
                     stress.release()
                     log(f"   {phases[current - 1].name} released: {stress.done()}")
@@ -608,7 +610,7 @@ def _fmt_int(value: float | None) -> str:
 
 
 def _fmt_ratio(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
+    return "—" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
 
 
 def report(result: dict[str, Any]) -> str:
@@ -629,7 +631,7 @@ def report(result: dict[str, Any]) -> str:
             f"{_fmt_int(row['dead_tuples'])} / {_fmt_int(row['live_tuples'])}",
             f"{row.get('autovacuum_count', '—')} ({_clock(last)})",
             "—" if "mean_ms" not in claim else f"{claim['mean_ms']:.2f}",
-            "—" if "blocks_per_call" not in claim else f"{claim['blocks_per_call']:.0f}",
+            "—" if "blocks_per_call" not in claim else _fmt_int(claim["blocks_per_call"]),
             "—" if row["phase"] == "clean" else " / ".join(
                 _fmt_ratio(vs.get(k)) for k in ("completion", "p50", "p99")))) + " |")
     recovery = result.get("recovery")
@@ -643,16 +645,25 @@ def report(result: dict[str, Any]) -> str:
                  f"{WINDOW:g}-s window after the release with p99 <= "
                  f"{_fmt_ms(recovery['threshold_ms'])}, {RECOVERED:g}x the clean p99; "
                  f"{recovery['relapses']} later window(s) above it again)")
+    ends = []
+    for row in result.get("phases", []):
+        last = [w for w in result.get("windows", []) if w["phase"] == row["phase"]][-1:]
+        ends += [f"- {row['phase']}, its last {w['seconds']:g} s: {w['completed_per_s']:.0f}/s, "
+                 f"p50 {_fmt_ms(w['p50_ms'])}, p99 {_fmt_ms(w['p99_ms'])}, depth "
+                 f"{_fmt_int(w['depth'])}" for w in last]
     server = result.get("server") or {}
     head = (f"Pressure, {result['scenario']}: {result['what']}; commit {result['commit']}, "
             f"{result['started']}; {server.get('version', '?')}, autovacuum="
             f"{server.get('autovacuum', '?')}; load average "
             f"{'/'.join(f'{v:.2f}' for v in result['machine']['load_before'])} -> "
             f"{'/'.join(f'{v:.2f}' for v in result['machine'].get('load_after', ()))}")
-    return "\n".join([head, ""] + lines + ["", after])
+    return "\n".join([head, ""] + lines + ["", after, ""] + ends)
 
 
 def _clock(value: Any) -> str:
+    """A timestamp's time of day (a datetime, or its str() as read back from the JSON)."""
+    if isinstance(value, str):
+        value = datetime.datetime.fromisoformat(value)
     return value.strftime("%H:%M:%S") if isinstance(value, datetime.datetime) else "never"
 
 
