@@ -66,6 +66,7 @@ QUEUE = "pressure"
 WINDOW = 10.0          # seconds per window of the progress lines and of the recovery figure
 TICK = 0.020           # the producer's batch interval
 RECOVERED = 1.2        # a recovery window's p99 within this factor of the clean p99
+GRACE = 1.5            # seconds after a window's end before it is read: its lines are written
 #: The hot tables the readers scan (``{schema}`` is pgbroker's).
 READER_SCANS = ("SELECT count(*), max(created_at) FROM pgbroker.jobs",
                 "SELECT count(*), max(heartbeat_at) FROM pgbroker.consumers",
@@ -430,30 +431,37 @@ def run_scenario(key: str, opts: Options, out_dir: str) -> dict[str, Any]:
         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
         "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "log"}}
-    with _pressure_server() as server, \
-            tempfile.TemporaryDirectory(prefix="pgbroker-pressure-") as records:
-        try:
-            db_url = server.create_database()
-            statements = "pg_stat_statements" in server.settings.get(
-                "shared_preload_libraries", "")
-            if statements:
-                harness.execute(db_url, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            monitor = Monitor(db_url, statements)
-            result["server"] = monitor.server()
-            try:
-                _drive(scenario, opts, db_url, records, log_dir, monitor, result)
-            finally:
-                monitor.close()
-        finally:
-            with contextlib.suppress(OSError):
-                shutil.copy(server.log, os.path.join(out_dir, f"pressure-{key}-server.log"))
-    result["machine"]["load_after"] = os.getloadavg()
-    summarize(result, opts)
-    Path(out_dir, f"pressure-{key}.json").write_text(json.dumps(result, indent=1, default=str))
+    try:
+        with _pressure_server() as server, \
+                tempfile.TemporaryDirectory(prefix="pgbroker-pressure-") as records:
+            _on_server(server, key, opts, out_dir, records, log_dir, result)
+    except BaseException as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"  # what was measured is still written
+        raise
+    finally:
+        result["machine"]["load_after"] = os.getloadavg()
+        summarize(result)
+        Path(out_dir, f"pressure-{key}.json").write_text(json.dumps(result, indent=1,
+                                                                     default=str))
     return result
 
 
-GRACE = 1.5  # seconds after a window's end before it is read: its tasks have written their lines
+def _on_server(server: ThrowawayServer, key: str, opts: Options, out_dir: str, records: str,
+               log_dir: str, result: dict[str, Any]) -> None:
+    try:
+        db_url = server.create_database()
+        statements = "pg_stat_statements" in server.settings.get("shared_preload_libraries", "")
+        if statements:
+            harness.execute(db_url, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        monitor = Monitor(db_url, statements)
+        result["server"] = monitor.server()
+        try:
+            _drive(SCENARIOS[key], opts, db_url, records, log_dir, monitor, result)
+        finally:
+            monitor.close()
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.copy(server.log, os.path.join(out_dir, f"pressure-{key}-server.log"))
 
 
 def _drive(scenario: Scenario, opts: Options, db_url: str, records: str, log_dir: str,
@@ -477,8 +485,9 @@ def _drive(scenario: Scenario, opts: Options, db_url: str, records: str, log_dir
         producer.start()
         log(f"== {scenario.key}: {scenario.what}; offered {opts.rate:g} jobs/s; phases "
             + ", ".join(f"{p.name} {p.seconds:g} s" for p in phases))
-        rows: list[dict[str, Any]] = []
-        windows: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = result.setdefault("phases", [])
+        windows: list[dict[str, Any]] = result.setdefault("windows", [])
+        result["window_s"] = WINDOW
         ended: list[tuple[Phase, dict[str, Any]]] = []  # read at the end, summed up later
         before: dict[str, Any] = {}
         current = 0  # the next boundary: the start of phases[current]
@@ -521,9 +530,6 @@ def _drive(scenario: Scenario, opts: Options, db_url: str, records: str, log_dir
             if current > len(phases) and not due_windows and not ended:
                 break
             time.sleep(0.25)
-        result["phases"] = rows
-        result["windows"] = windows
-        result["window_s"] = WINDOW
     finally:
         if producer is not None:
             producer.stop()
@@ -570,7 +576,7 @@ def _phase_line(row: dict[str, Any]) -> str:
 
 # -- the figures ---------------------------------------------------------------------------------
 
-def summarize(result: dict[str, Any], opts: Options) -> None:
+def summarize(result: dict[str, Any]) -> None:
     """The ratios of each phase to the clean one, and the recovery time (in ``result``)."""
     phases = result.get("phases") or []
     clean = next((p for p in phases if p["phase"] == "clean"), None)
@@ -719,7 +725,13 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     keys = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    run(keys, opts)
+    opts = dataclasses.replace(opts, out=opts.out or tempfile.mkdtemp(
+        prefix="pgbroker-pressure-out-"))
+    try:
+        run(keys, opts)
+    except KeyboardInterrupt:
+        print(f"interrupted: what was measured is in {opts.out}", file=sys.stderr)
+        return 130
     return 0
 
 
