@@ -11,7 +11,9 @@ harness sums the files until the count reaches N; the drain time is the earliest
 the latest last end. This asks nothing of the broker (no queue-length API, which RabbitMQ, Redis
 and the SQL transports answer differently and at different costs, and no ``celery inspect``
 round trip), costs each task a few microseconds whatever the broker, and cannot miss a completion.
-A latency sample (``sent`` in the arguments) is appended as a line to a second file per process.
+A latency sample (``sent`` in the arguments) is appended as a line to a second file per process:
+the latency and the task's start (epoch seconds), so that a reader tailing the file
+(tests/bench/pressure.py) can tell in which second each task started.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class _Recorder:
     def record(self, start: float, sent: float | None) -> None:
         if sent is not None:
             with open(self.latency_path, "a") as f:
-                f.write(f"{start - sent:.6f}\n")
+                f.write(f"{start - sent:.6f} {start:.6f}\n")
         if not self.count:
             self.first = start
         self.count += 1
@@ -112,7 +114,7 @@ def read_latencies(directory: str) -> list[float]:
     for name in os.listdir(directory):
         if name.endswith(".lat"):
             with open(os.path.join(directory, name)) as f:
-                found += [float(line) for line in f if line.strip()]
+                found += [float(line.split()[0]) for line in f if line.strip()]
     return found
 
 

@@ -112,13 +112,17 @@ def durable_report(durable: dict[str, Any]) -> str:
 # -- capacity on a server of its own -------------------------------------------------------------
 
 @contextlib.contextmanager
-def stats_server() -> Iterator[ThrowawayServer]:
+def stats_server(settings: dict[str, str] | None = None, statements: bool = True
+                 ) -> Iterator[ThrowawayServer]:
+    """A started server of its own with pg_stat_statements loaded (unless ``statements`` is
+    false), ``settings`` on top; removed on exit."""
     bindir = find_bindir()
     if bindir is None:
         raise RuntimeError("no PostgreSQL binaries (initdb, pg_ctl, postgres)")
+    preload = {"shared_preload_libraries": "pg_stat_statements",
+               "pg_stat_statements.track": "all"} if statements else {}
     server = ThrowawayServer(bindir, settings={
-        "shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
-        "shared_buffers": "256MB", "max_wal_size": "2GB"})
+        **preload, "shared_buffers": "256MB", "max_wal_size": "2GB", **(settings or {})})
     try:
         server.init().start()
         yield server

@@ -212,11 +212,12 @@ def brokers(db_url: str) -> dict[str, Broker]:
 # -- a worker and its records --------------------------------------------------------------------
 
 def start_worker(broker: Broker, queue: str, config: WorkerConfig, record_dir: str,
-                 log_dir: str) -> WorkerProcess:
-    """``celery worker -c 2`` (prefork) on ``queue``, as the issue specifies."""
+                 log_dir: str, concurrency: int = 2) -> WorkerProcess:
+    """``celery worker -c 2`` (prefork; issue 9's setting, ``concurrency`` for others) on
+    ``queue``."""
     name = f"bench-{broker.key}-{config.key}-{uuid.uuid4().hex[:6]}"
     argv = [sys.executable, "-m", "celery", "-A", "tests.bench.benchapp", "worker",
-            "-P", "prefork", "-c", "2", "-Q", queue, "-n", f"{name}@%h",
+            "-P", "prefork", "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel=WARNING"]
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
