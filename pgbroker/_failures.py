@@ -60,17 +60,11 @@ def _store_for(app: Any) -> Store | None:
 def on_task_failure(sender: Any = None, exception: BaseException | None = None,
                     einfo: Any = None, **_: Any) -> None:
 
-    # Celery gives the task the message's properties, with the delivery tag pgbroker made
-    # ("<job id>/<attempt>"): the headers stay as the producer sent them.
-    properties = getattr(getattr(sender, "request", None), "properties", None)
-    tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
-    if not isinstance(tag, str) or "/" not in tag:
+    delivery = _delivery_of(getattr(sender, "request", None))
+    if delivery is None:
         return  # not delivered by pgbroker
     try:
-        delivery = parse_delivery_tag(tag)
-        if delivery is None:
-            return
-        job_id, attempt, _ = delivery
+        job_id, attempt = delivery
         store = _store_for(sender.app)
         if store is None:
             return
@@ -80,8 +74,39 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
         _record(store, job_id, attempt, error, _describe(einfo, name=False) if einfo else None,
                 lost=isinstance(exception, WorkerLostError))
     except Exception as exc:  # noqa: BLE001 - never turn a task failure into a worker crash
-        logger.error("pgbroker: could not record the failure of delivery %s (%s): %s; its ack "
-                     "may complete it", tag, _describe(exception), exc)
+        logger.error("pgbroker: could not record the failure of job %s (%s): %s; its ack "
+                     "may complete it", delivery[0], _describe(exception), exc)
+
+
+def _delivery_of(request: Any) -> tuple[uuid.UUID, int] | None:
+    """(job id, attempt) of a task's request, from the delivery tag pgbroker made
+    ("<job id>/<attempt>"): Celery gives the task the message's properties (the headers stay as
+    the producer sent them). None for a message pgbroker did not deliver."""
+    properties = getattr(request, "properties", None)
+    tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
+    if not isinstance(tag, str) or "/" not in tag:
+        return None
+    try:
+        delivery = parse_delivery_tag(tag)
+    except ValueError:
+        return None
+    return None if delivery is None else delivery[:2]
+
+
+def record_unstored_result(app: Any, request: Any, reason: str) -> None:
+    """The task of ``request`` succeeded but its result could not be stored (the result
+    backend gave up: pgbroker.backend): record ``reason`` in its job row before the ack, which
+    then ends the job ``dead`` with it -- never ``completed`` without its result. Retried as a
+    failure is; never raises (it logs at ERROR what it could not record)."""
+    delivery = _delivery_of(request)
+    store = _store_for(app) if delivery is not None else None
+    if delivery is None or store is None:
+        return  # not delivered by pgbroker: nothing to record here
+    try:
+        _record(store, *delivery, reason, None)
+    except Exception as exc:  # noqa: BLE001 - the caller raises the reason to Celery anyway
+        logger.error("pgbroker: could not record that job %s succeeded without a stored "
+                     "result (%s): %s; its ack may complete it", delivery[0], reason, exc)
 
 
 def _describe(value: Any, name: bool = True) -> str:
