@@ -1,24 +1,30 @@
-"""What a Celery worker says once: diagnostics of its database, and of its tasks' job keys.
+"""What a Celery worker says once: diagnostics of its database, of its tasks' job keys, and
+that it was told to stop.
 
 Connected to Celery's ``worker_ready`` by ``import pgbroker``, so that a worker says it once per
 start -- not every consumer: ``celery inspect`` and ``celery status`` consume (their reply
 queue) too, and a warning on their stderr at every call is noise. Plain kombu consumers outside
 a Celery worker are not told. And to ``task_received``: a job whose keys count it while it runs
-(``concurrency_key``, ``dedupe_active``) for a task acked on receipt, once per task name.
+(``concurrency_key``, ``dedupe_active``) for a task acked on receipt, once per task name. And to
+``worker_shutting_down``: a worker told to stop says so in its consumers' rows (``stopping_at``),
+so that its jobs rescued after a kill count against no task (pgbroker._stopping).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
-from celery import signals
+from celery import current_app, signals
 
+from . import _stopping
+from ._broker import find
 from ._store import Store
 from .transport import Transport
 
-__all__ = ["connect", "on_task_received", "warn_without_autovacuum"]
+__all__ = ["connect", "on_task_received", "on_worker_shutting_down", "warn_without_autovacuum"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +85,35 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
         store.close()
 
 
+def on_worker_shutting_down(sender: Any = None, how: str = "Warm", **_: Any) -> None:
+    """Celery's ``worker_shutting_down``, in the worker's main process (a signal handler): this
+    process was told to stop. Its later pool-process losses count for nothing from now, and a
+    thread writes ``stopping_at`` into its consumers' rows, so that a sweeper rescuing its jobs
+    after a kill (a grace period that ran out) counts them against no task."""
+    _stopping.mark()
+    broker = find(current_app)  # no I/O: the worker's app, its broker options
+    if broker is not None:
+        threading.Thread(target=_mark_stopping, args=(broker, how), daemon=True,
+                         name="pgbroker-stopping").start()
+
+
+def _mark_stopping(broker: Any, how: str) -> None:
+    store = Store(broker.conninfo, dataclasses.replace(broker.settings, auto_migrate=False),
+                  application_name="pgbroker stopping")
+    try:
+        n = store.mark_stopping()
+        logger.info("pgbroker: %s shutdown: %d consumer(s) marked stopping; their jobs lost "
+                    "from now on count against no task", how, n)
+    except Exception as exc:  # noqa: BLE001 - the shutdown goes on; a later loss may count
+        logger.warning("pgbroker: could not mark this worker stopping: %s; a kill before its "
+                       "tasks end may count against them", exc)
+    finally:
+        store.close()
+
+
 def connect() -> None:
     """Connect the handlers to Celery's signals (done by ``import pgbroker``)."""
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="pgbroker.startup")
     signals.task_received.connect(on_task_received, weak=False, dispatch_uid="pgbroker.early")
+    signals.worker_shutting_down.connect(on_worker_shutting_down, weak=False,
+                                         dispatch_uid="pgbroker.stopping")

@@ -17,6 +17,7 @@ raises, never waits on PENDING.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -65,10 +66,13 @@ def test_a_success_is_stored_or_its_job_ends_dead_with_the_reason(
     blips = [add.apply_async((i, 2), task_id=f"blip-{i}") for i in range(3)]
     fine = [add.apply_async((i, 3), task_id=f"fine-{i}") for i in range(3)]
 
+    started = time.monotonic()
     for res in full:
         with pytest.raises(JobDead, match=re.escape(REASON)):
             res.get(timeout=30)
         assert res.state == "FAILURE"
+    print(f"\n[figure] results never storable: get() raised JobDead for all 3 within "
+          f"{time.monotonic() - started:.1f} s of publishing")
     assert [res.get(timeout=30) for res in blips] == [2, 3, 4]
     assert [res.get(timeout=30) for res in fine] == [3, 4, 5]
 
