@@ -24,6 +24,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import _db, _outcomes, _pq, _stopping
+from ._retry import retried
 from ._claims import HEAD, Claimed, JobRow, Position, after_params, is_gate_marker
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
@@ -393,8 +394,9 @@ class Store:
         process), or went down with the whole worker on the host ``workers`` names, one per
         delivery, that had been told nothing (the sweeper). Counted towards pausing their
         task names (sql/tasks.sql). A pool process lost once this process was told to stop is
-        the shutdown's doing, and counts for nothing (pgbroker._stopping). Never raises: a loss
-        not counted only delays a pause."""
+        the shutdown's doing, and counts for nothing (pgbroker._stopping). A statement that
+        fails on a living connection is sent again (pgbroker._retry, three tries: this may run
+        on the event loop). Never raises: a loss not counted only delays a pause."""
         if not deliveries or not self.settings.pause_task_after:
             return
         if workers is None and _stopping.told():
@@ -403,10 +405,12 @@ class Store:
             return
         ids, attempts = _pq.split(deliveries)
         try:
-            _outcomes.paused(self._execute("task_loss_record", {
-                "ids": ids, "attempts": attempts, "via": via,
-                "workers": list(workers) if workers is not None else [None] * len(ids),
-                "pause_after": self.settings.pause_task_after}).fetchall())
+            params = {"ids": ids, "attempts": attempts, "via": via,
+                      "workers": list(workers) if workers is not None else [None] * len(ids),
+                      "pause_after": self.settings.pause_task_after}
+            _outcomes.paused(retried(
+                lambda: self._execute("task_loss_record", params).fetchall(),
+                f"counting {len(ids)} lost deliveries", tries=3, backoff=0.05))
         except Exception as exc:  # noqa: BLE001 - the requeue or rescue itself is done
             logger.warning("pgbroker: could not count %d lost deliveries: %s", len(ids), exc)
 

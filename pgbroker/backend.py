@@ -45,8 +45,8 @@ Limits
   by another broker.
 * Storing a result and acking its job in one transaction is not done (see below).
 * A result write whose statement fails on a living connection (disk full, a lock or statement
-  timeout: SQLSTATE classes 40, 53, 55, 57, 58) is tried :data:`STORE_TRIES` times in all, a
-  short pause apart, before the worker acks the task. A success that still cannot be stored is
+  timeout) is tried a few times, a short pause apart (pgbroker._retry), before the worker acks
+  the task. A success that still cannot be stored is
   recorded in its job row (pgbroker._failures), so that the ack ends the job ``dead`` with
   "the task succeeded but its result could not be stored: <SQLSTATE> <message>", and
   :class:`pgbroker.errors.JobDead` is raised to Celery. A task id with no stored result whose
@@ -74,7 +74,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
-from time import monotonic, sleep
+from time import monotonic
 from typing import Any, NamedTuple
 
 import psycopg
@@ -91,6 +91,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps as json_dumps
 
 from . import _db
+from ._retry import TRIES, retried, statement_failure
 from ._failures import record_unstored_result
 from ._messages import MAX_ID_BYTES
 from ._sql import Queries
@@ -102,17 +103,6 @@ from .settings import Settings
 __all__ = ["DatabaseBackend", "ResultConsumer"]
 
 logger = logging.getLogger(__name__)
-
-#: Tries in all of a result write whose statement failed on a living connection, and the first
-#: pause between two (doubled each time): a success is recorded as a failure is, before the ack.
-STORE_TRIES = 4
-STORE_BACKOFF = 0.1
-
-#: SQLSTATE classes of a statement that may pass when sent again: a serialization failure or
-#: deadlock (40), insufficient resources such as a full disk (53), a lock not available (55),
-#: a statement cancelled by a timeout (57, but 57P0x: the server is going away), a system I/O
-#: error (58).
-_TRANSIENT_CLASSES = frozenset({"40", "53", "55", "57", "58"})
 
 
 class ChordPart(NamedTuple):
@@ -308,31 +298,22 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         meta["task_id"] = bytes_to_str(task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
         payload = self.encode(meta)
-        tries, delay = 1, STORE_BACKOFF
-        while True:
-            try:
-                self._set_task(meta["task_id"], payload, meta, expires)
-                return result
-            except psycopg.errors.ProgramLimitExceeded as exc:
-                raise BackendStoreError(f"result too large for PostgreSQL: {exc}", state=state,
-                                        task_id=task_id) from exc
-            except Exception as exc:
-                failure = statement_failure(exc)
-                if failure is None:
-                    raise  # a lost connection (Celery's result_backend_always_retry), bad data
-                if tries < STORE_TRIES:
-                    logger.warning("pgbroker result backend: storing the %s of task %s failed "
-                                   "(%s); trying again in %.1fs", state, task_id, failure, delay)
-                    sleep(delay)
-                    tries, delay = tries + 1, delay * 2
-                    continue
-                if state != states.SUCCESS:
-                    raise
-                reason = f"the task succeeded but its result could not be stored: {failure}"
-                logger.error("pgbroker result backend: task %s: %s (%d tries)", task_id, reason,
-                             STORE_TRIES)
-                record_unstored_result(self.app, request, reason)
-                raise JobDead(reason) from exc
+        try:
+            retried(lambda: self._set_task(meta["task_id"], payload, meta, expires),
+                    f"storing the {state} of task {task_id}")
+        except psycopg.errors.ProgramLimitExceeded as exc:
+            raise BackendStoreError(f"result too large for PostgreSQL: {exc}", state=state,
+                                    task_id=task_id) from exc
+        except Exception as exc:
+            failure = statement_failure(exc)
+            if state != states.SUCCESS or failure is None:
+                raise  # a lost connection (Celery's result_backend_always_retry), bad data
+            reason = f"the task succeeded but its result could not be stored: {failure}"
+            logger.error("pgbroker result backend: task %s: %s (%d tries)", task_id, reason,
+                         TRIES)
+            record_unstored_result(self.app, request, reason)
+            raise JobDead(reason) from exc
+        return result
 
     def _set_task(self, task_id: str, payload: str | bytes, meta: Mapping[str, Any],
                   expires: float | None) -> None:
@@ -593,19 +574,6 @@ class ResultConsumer(BaseResultConsumer):
             self.stop()  # the next drain reconnects and re-reads every pending result
             raise
         return ids
-
-
-def statement_failure(exc: BaseException) -> str | None:
-    """``"<SQLSTATE> <message>"`` when ``exc`` is a statement that failed on a living connection
-    and may pass when sent again (:data:`_TRANSIENT_CLASSES`), else None: a lost connection, a
-    value the table refuses."""
-    error = exc if isinstance(exc, psycopg.Error) else exc.__cause__
-    state = getattr(error, "sqlstate", None)
-    if not isinstance(error, psycopg.Error) or not state or state.startswith("57P") \
-            or state[:2] not in _TRANSIENT_CLASSES:
-        return None
-    text = (error.diag.message_primary or str(error)).strip().splitlines()
-    return f"{state} {text[0] if text else type(error).__name__}"
 
 
 #: What a closed results LISTEN connection is called in the error (see _db.notifications).

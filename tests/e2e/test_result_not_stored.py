@@ -27,23 +27,15 @@ from celery import Celery
 from pgbroker.errors import JobDead
 from tests.e2e import app as e2e
 from tests.e2e import results_app
+from tests.support.db import disk_full_when
 from tests.support.processes import run_worker
 
 NAME = "tests.e2e.results_app."
 REASON = "the task succeeded but its result could not be stored: 53100 disk full (test)"
 
-FAULT_DDL = """
-CREATE OR REPLACE FUNCTION public.results_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE blips regclass := to_regclass(format('public.%I', NEW.task_id));
-BEGIN
-    IF NEW.task_id LIKE 'full-%' OR (blips IS NOT NULL AND nextval(blips) <= 2) THEN
-        RAISE EXCEPTION 'disk full (test)' USING ERRCODE = 'disk_full';
-    END IF;
-    RETURN NEW;
-END $$;
-CREATE TRIGGER results_disk_full BEFORE INSERT OR UPDATE ON pgbroker.results
-    FOR EACH ROW EXECUTE FUNCTION public.results_disk_full();
-"""
+#: Which writes of a result meet a full disk (see the module docstring).
+FULL = ("NEW.task_id LIKE 'full-%' OR coalesce(nextval(to_regclass("
+        "format('public.%I', NEW.task_id))) <= 2, false)")
 
 
 @pytest.fixture
@@ -57,7 +49,7 @@ def client(broker_url: str, pg: psycopg.Connection) -> Iterator[Celery]:
 
 def test_a_success_is_stored_or_its_job_ends_dead_with_the_reason(
         client: Celery, broker_url: str, pg: psycopg.Connection) -> None:
-    pg.execute(FAULT_DDL)
+    disk_full_when(pg, "pgbroker.results", FULL)
     for i in range(3):
         pg.execute(f'CREATE SEQUENCE public."blip-{i}"')
     worker = run_worker("tests.e2e.results_app", broker_url, "-c", "2").wait_ready(60)

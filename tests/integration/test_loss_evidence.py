@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 
 from pgbroker._store import Store
 from pgbroker.sweeper import Sweeper
-from tests.support.db import db_now
+from tests.support.db import db_now, disk_full_when
 
 TASK = "app.tasks.report"
 
@@ -113,3 +113,15 @@ def test_deliveries_that_killed_their_pool_process_pause_the_task(
     assert reason.startswith("5 deliveries in a row killed their pool process (Celery's "
                              "WorkerLostError: killed, out of memory or exited): jobs ")
     assert all(str(job) in reason for job, _ in deliveries)
+
+
+def test_a_loss_record_that_meets_a_full_disk_is_written_again(
+        store: Store, pg: psycopg.Connection) -> None:
+    """The loss is recorded as failures are: a statement that failed on a living connection
+    (53100, twice here) is sent again, and the loss counts."""
+    pg.execute("CREATE SEQUENCE public.full_disk")
+    disk_full_when(pg, "pgbroker.task_losses", "nextval('public.full_disk') <= 2")
+    deliveries = lost_worker(pg, "node-a", jobs=1)
+    store.record_losses(deliveries)
+    assert pg.execute("SELECT last_value FROM public.full_disk").fetchone() == (3,)
+    assert losses(pg)[TASK]["streak"] == 1
