@@ -36,6 +36,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     broker_transport_options=json.loads(os.environ.get("PGBROKER_TEST_TRANSPORT_OPTIONS", "{}")),
+    # a soft shutdown (issue 27, item 3): the tasks get this long before a cold shutdown
+    worker_soft_shutdown_timeout=float(os.environ.get("PGBROKER_TEST_SOFT_SHUTDOWN", "0")),
     # the receivers of pgbroker's signals live in a module of their own, imported as a worker
     # (or `pgbroker -A ... sweep`) imports an app's include list
     include=["tests.e2e.jobsem_receivers"],

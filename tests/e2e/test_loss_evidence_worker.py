@@ -3,8 +3,8 @@ processes (``-c 2``, acks late, ``task_reject_on_worker_lost``) of ``tests.e2e.j
 
 * six SIGKILLs of a whole worker running the only task type in the queue pause nothing (one
   worker killed again and again is no evidence against its task);
-* a worker told to stop (SIGTERM: a rolling deploy) and killed when its grace period runs out
-  adds no loss;
+* a worker told to stop (SIGTERM: a rolling deploy; a warm or a soft shutdown) and killed when
+  its grace period runs out adds no loss;
 * a task that kills its pool process five times in a row pauses its type, with a reason that
   names Celery's WorkerLostError, logged in the worker that paused it.
 
@@ -13,19 +13,21 @@ Figures (printed with ``-s``) go to docs/chaos.md.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import time
 from typing import Any
 
 import psycopg
+import pytest
 from celery import Celery
 from psycopg.rows import dict_row
 
 from tests.e2e import jobsem_app as app_module
 from tests.e2e.jobsem_support import producer, worker  # noqa: F401 - fixture
 from tests.e2e.support import SHORT_LEASE
-from tests.support.processes import WorkerProcess, wait_for
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 OPTIONS = {**SHORT_LEASE, "pause_task_after": 5}
 HANG = "tests.e2e.jobsem_app.hang"
@@ -79,21 +81,32 @@ def test_six_whole_worker_kills_pause_nothing(producer: Celery, broker_url: str,
     last.kill_group(signal.SIGKILL)
 
 
+@pytest.mark.parametrize("shutdown", ["warm", "soft"])
 def test_a_worker_told_to_stop_then_killed_adds_no_loss(producer: Celery, broker_url: str,
-                                                        pg: psycopg.Connection) -> None:
+                                                        pg: psycopg.Connection,
+                                                        shutdown: str) -> None:
+    """A rolling deploy: SIGTERM, the tasks run on, SIGKILL when the grace period ends. Warm:
+    Celery's default. Soft: ``REMAP_SIGTERM=SIGQUIT`` and ``worker_soft_shutdown_timeout``, a
+    wait inside Celery's signal handler, before its ``worker_shutting_down``."""
     _hang_twice(pg)
-    deployed = _worker(broker_url)
+    env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(OPTIONS)}
+    if shutdown == "soft":
+        env.update(REMAP_SIGTERM="SIGQUIT", PGBROKER_TEST_SOFT_SHUTDOWN="60")
+    deployed = run_worker("tests.e2e.jobsem_app", broker_url, "-c", "2", env=env).wait_ready(60)
     wait_for(lambda: _runs(pg, "hang") == 2, 60, message="both jobs running")
-    deployed.kill(signal.SIGTERM)  # a rolling deploy: warm shutdown, the tasks run on...
+    deployed.kill(signal.SIGTERM)  # the tasks run on...
     deployed.wait_for_log("consumer(s) marked stopping")
+    if shutdown == "soft":
+        deployed.wait_for_log("Initiating Soft Shutdown")
     deployed.kill_group(signal.SIGKILL)  # ...until the grace period ends
     deployed.wait(10)
     killed = time.monotonic()
     successor = _worker(broker_url)
     wait_for(lambda: _runs(pg, "hang") == 4, 60, message="the jobs to run again")
-    print(f"\n[figure] SIGTERM, then SIGKILL at the end of the grace period: both jobs running "
-          f"on the successor {time.monotonic() - killed:.1f} s after the kill (its start "
-          f"included); losses on record {_losses(pg)}, pauses {len(_pauses(pg))}")
+    print(f"\n[figure] {shutdown} shutdown (SIGTERM), then SIGKILL at the end of the grace "
+          f"period: both jobs running on the successor {time.monotonic() - killed:.1f} s after "
+          f"the kill (its start included); losses on record {_losses(pg)}, pauses "
+          f"{len(_pauses(pg))}")
     assert not _losses(pg) and not _pauses(pg)
     successor.kill_group(signal.SIGKILL)
 
