@@ -350,15 +350,16 @@ class Store:
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
                 error: str | None = None,
                 locked: list[tuple[uuid.UUID, int]] | None = None, lost: bool = False) -> int:
-        """Give deliveries back; ``lost``: their worker was lost (:meth:`record_losses`)."""
+        """Give deliveries back. ``lost`` (Celery's reject with requeue in a worker) is not
+        counted here: a requeue cannot tell a pool process that died under its job from a task
+        that raised ``Reject(requeue=True)``; the worker's request counts the first where Celery
+        sees ``WorkerLostError`` (pgbroker._failures)."""
         ids, attempts = _pq.split(deliveries)
         if not ids:
             return 0
         done = self._settle("job_requeue", {"ids": ids, "attempts": attempts,
                                              "error": _error(error),
                                              "channel": self.settings.channel}, locked, "requeue")
-        if lost:
-            self.record_losses(done)
         return len(done)
 
     def bury(self, job_id: uuid.UUID, attempt: int, error: str,
@@ -375,16 +376,13 @@ class Store:
         _keep_locked([(r[0], r[1]) for r in rows if not r[2]], locked, what)
         return _outcomes.settled(rows)
 
-    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None,
-             lost: bool = False) -> int:
+    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None) -> int:
         """Record that the task of this delivery raised, before its ack (it waits for the row's
-        lock: pgbroker._failures); ``lost``: Celery's ``WorkerLostError``."""
+        lock: pgbroker._failures)."""
         rows = self._execute("job_fail", {"id": job_id, "attempt": attempt,
                                           "error": _error(error),
                                           "traceback": _error(traceback)}).fetchall()
         _outcomes.failed(job_id, rows)
-        if rows and lost:
-            self.record_losses([(job_id, attempt)])
         return len(rows)
 
     def record_losses(self, deliveries: Sequence[tuple[uuid.UUID, int]], via: str = "worker",

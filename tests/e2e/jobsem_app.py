@@ -17,6 +17,7 @@ import time
 
 import psycopg
 from celery import Celery
+from celery.exceptions import Reject
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
@@ -160,6 +161,13 @@ def crash_acked(self, key: str) -> None:
     """Kills its pool process; Celery then fails it (WorkerLostError) rather than requeue it."""
     _run("crash_acked", key)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(bind=True)
+def reject_again(self, key: str) -> None:
+    """Gives its message back every time (Reject(requeue=True)): its pool process lives on."""
+    _run("reject_again", key)
+    raise Reject(requeue=True)
 
 
 @app.task(bind=True)

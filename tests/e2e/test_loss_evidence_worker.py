@@ -6,7 +6,8 @@ processes (``-c 2``, acks late, ``task_reject_on_worker_lost``) of ``tests.e2e.j
 * a worker told to stop (SIGTERM: a rolling deploy; a warm or a soft shutdown) and killed when
   its grace period runs out adds no loss;
 * a task that kills its pool process five times in a row pauses its type, with a reason that
-  names Celery's WorkerLostError, logged in the worker that paused it.
+  names Celery's WorkerLostError, logged in the worker that paused it; one that gives its
+  message back (``Reject(requeue=True)``) six times, its pool process alive, pauses nothing.
 
 Figures (printed with ``-s``) go to docs/chaos.md.
 """
@@ -128,3 +129,17 @@ def test_a_task_that_kills_its_pool_process_five_times_pauses_its_type(
     paused_by.wait_for_log(f"task '{CRASH}' is PAUSED: 5 deliveries in a row killed their "
                            "pool process")
     paused_by.stop()
+
+
+def test_a_task_that_rejects_with_requeue_pauses_nothing(producer: Celery, broker_url: str,
+                                                         pg: psycopg.Connection) -> None:
+    """A requeue alone is no evidence: only Celery's WorkerLostError, seen in the request,
+    says that the pool process died."""
+    worker = _worker(broker_url)
+    app_module.reject_again.apply_async(("r",), task_id="r", headers={"max_attempts": 6})
+    wait_for(lambda: pg.execute("SELECT state FROM pgbroker.jobs WHERE task_id = 'r'"
+                                ).fetchone() == ("dead",) or _pauses(pg), 60,
+             message="the job to use up its attempts")
+    assert not _pauses(pg) and not _losses(pg)
+    assert _runs(pg, "reject_again") == 6
+    worker.stop()
