@@ -20,9 +20,9 @@ task leaves, 0017_loss_evidence.sql) -- only there: a requeue alone cannot tell 
 that raised ``Reject(requeue=True)``. A task whose ``Request`` is set after the worker started
 is not counted.
 
-Limits: A pool process that cannot reach the database for
-:data:`RECORD_FOR` seconds while the main process can (its ack gets through) leaves the job
-``completed``; it logs the failure at ERROR.
+Limits: a pool process that cannot reach the database for :data:`RECORD_FOR` seconds while the
+main process can (its ack gets through) leaves the job ``completed``; it logs the failure at
+ERROR.
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ class _LossCounting:
                 and not getattr(self, "_already_cancelled", False)
                 and not getattr(self, "_already_revoked", False)):
             _count_pool_loss(self)
-        return super().on_failure(exc_info, send_failed_event=send_failed_event,  # type: ignore[misc]
-                                  return_ok=return_ok)
+        failed = super().on_failure  # type: ignore[misc]  # (Celery's Request, mixed with)
+        return failed(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
 def _count_pool_loss(request: Any) -> None:
