@@ -45,7 +45,8 @@ def failed(job_id: uuid.UUID, rows: Iterable[Sequence[Any]]) -> None:
 
 def rescued(row: Sequence[Any]) -> list[tuple[uuid.UUID, int]]:
     """job_rescue's row: ``job_dead`` for the jobs it made dead; returns the deliveries that
-    lost their worker (columns 4 and 5)."""
+    lost their worker (columns 4 and 5; column 7 says, for each, the host of its worker if that
+    worker had been told nothing: Store.rescue)."""
     signals.send_job_dead((uuid.UUID(d["id"]), d["task"], d["reason"], d["attempts"])
                           for d in row[6])
     return list(zip(row[4], row[5]))

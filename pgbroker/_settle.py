@@ -24,7 +24,6 @@ from time import monotonic
 import psycopg
 
 from . import _db
-from ._messages import REQUEUED
 from ._store import Store
 
 __all__ = ["RETRY", "Settler"]
@@ -58,9 +57,7 @@ class Settler:
         locked: list[Delivery] = []
         try:
             if op == "requeue":
-                # Celery's reject(requeue=True) gives no reason: REQUEUED says what it means in
-                # a worker, a lost pool process (or a task's Reject(requeue=True), counted alike)
-                self.store.requeue(deliveries, error, locked, lost=error == REQUEUED)
+                self.store.requeue(deliveries, error, locked)
             elif op == "bury":
                 for n, (job_id, attempt) in enumerate(deliveries):
                     try:

@@ -23,7 +23,8 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from . import _db, _outcomes, _pq
+from . import _db, _outcomes, _pq, _stopping
+from ._retry import retried
 from ._claims import EARLIEST, HEAD, Claimed, JobRow, Position, after_params, is_gate_marker
 from ._jobs import NewJob, batch_lists, log_duplicates, lookup_params, row_params, row_text_params
 from ._sql import Queries
@@ -366,16 +367,16 @@ class Store:
 
     def requeue(self, deliveries: Iterable[tuple[uuid.UUID, int]],
                 error: str | None = None,
-                locked: list[tuple[uuid.UUID, int]] | None = None, lost: bool = False) -> int:
-        """Give deliveries back; ``lost``: their worker was lost (:meth:`record_losses`)."""
+                locked: list[tuple[uuid.UUID, int]] | None = None) -> int:
+        """Give deliveries back. A requeue is no lost delivery: it cannot tell a pool process
+        that died under its job from a task that raised ``Reject(requeue=True)``; the worker's
+        request counts the first where Celery sees ``WorkerLostError`` (pgbroker._failures)."""
         ids, attempts = _pq.split(deliveries)
         if not ids:
             return 0
         done = self._settle("job_requeue", {"ids": ids, "attempts": attempts,
                                              "error": _error(error),
                                              "channel": self.settings.channel}, locked, "requeue")
-        if lost:
-            self.record_losses(done)
         return len(done)
 
     def bury(self, job_id: uuid.UUID, attempt: int, error: str,
@@ -392,16 +393,13 @@ class Store:
         _keep_locked([(r[0], r[1]) for r in rows if not r[2]], locked, what)
         return _outcomes.settled(rows)
 
-    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None,
-             lost: bool = False) -> int:
+    def fail(self, job_id: uuid.UUID, attempt: int, error: str, traceback: str | None) -> int:
         """Record that the task of this delivery raised, before its ack (it waits for the row's
-        lock: pgbroker._failures); ``lost``: Celery's ``WorkerLostError``."""
+        lock: pgbroker._failures)."""
         rows = self._execute("job_fail", {"id": job_id, "attempt": attempt,
                                           "error": _error(error),
                                           "traceback": _error(traceback)}).fetchall()
         _outcomes.failed(job_id, rows)
-        if rows and lost:
-            self.record_losses([(job_id, attempt)])
         return len(rows)
 
     def record_ending(self, how: str, job_id: uuid.UUID, attempt: int, note: str) -> bool:
@@ -411,18 +409,32 @@ class Store:
         return bool(self._execute(f"job_{how}", {"id": job_id, "attempt": attempt,
                                                  "note": _error(note)}).rowcount)
 
-    def record_losses(self, deliveries: Sequence[tuple[uuid.UUID, int]],
-                      via: str = "worker") -> None:
-        """These deliveries lost their worker: count them towards pausing their task names
-        (sql/tasks.sql). Never raises: a loss not counted only delays a pause."""
-        if deliveries and self.settings.pause_task_after:
-            ids, attempts = _pq.split(deliveries)
-            try:
-                _outcomes.paused(self._execute("task_loss_record", {
-                    "ids": ids, "attempts": attempts, "via": via,
-                    "pause_after": self.settings.pause_task_after}).fetchall())
-            except Exception as exc:  # noqa: BLE001 - the requeue or rescue itself is done
-                logger.warning("pgbroker: could not count %d lost deliveries: %s", len(ids), exc)
+    def record_losses(self, deliveries: Sequence[tuple[uuid.UUID, int]], via: str = "worker",
+                      workers: Sequence[str] | None = None) -> None:
+        """These deliveries were lost where the evidence points to their task: each killed its
+        pool process (``workers`` None: Celery's WorkerLostError in this worker's main
+        process), or went down with the whole worker on the host ``workers`` names, one per
+        delivery, that had been told nothing (the sweeper). Counted towards pausing their
+        task names (sql/tasks.sql). A pool process lost once this process was told to stop is
+        the shutdown's doing, and counts for nothing (pgbroker._stopping). A statement that
+        fails on a living connection is sent again (pgbroker._retry, three tries: this may run
+        on the event loop). Never raises: a loss not counted only delays a pause."""
+        if not deliveries or not self.settings.pause_task_after:
+            return
+        if workers is None and _stopping.told():
+            logger.info("pgbroker: %d delivery(ies) lost their pool process after this worker "
+                        "was told to stop: not counted against their task", len(deliveries))
+            return
+        ids, attempts = _pq.split(deliveries)
+        try:
+            params = {"ids": ids, "attempts": attempts, "via": via,
+                      "workers": list(workers) if workers is not None else [None] * len(ids),
+                      "pause_after": self.settings.pause_task_after}
+            _outcomes.paused(retried(
+                lambda: self._execute("task_loss_record", params).fetchall(),
+                f"counting {len(ids)} lost deliveries", tries=3, backoff=0.05))
+        except Exception as exc:  # noqa: BLE001 - the requeue or rescue itself is done
+            logger.warning("pgbroker: could not count %d lost deliveries: %s", len(ids), exc)
 
     # -- remote control (sql/revoke.sql) ---------------------------------------------------------
 
@@ -485,7 +497,11 @@ class Store:
             "channel": self.settings.channel, "now": now},
             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
         assert row is not None
-        self.record_losses(_outcomes.rescued(row), via="sweeper")
+        # only the workers that were told nothing point to a task (0019_loss_evidence.sql)
+        lost = [(d, host) for d, host in zip(_outcomes.rescued(row), row[7]) if host is not None]
+        if lost:
+            self.record_losses([d for d, _ in lost], via="sweeper",
+                               workers=[host for _, host in lost])
         return int(row[0]), int(row[1]), int(row[2])
 
     def expire(self, limit: int = 1000, now: datetime | None = None) -> int:
@@ -623,3 +639,8 @@ class Store:
 
     def unregister_consumer(self, consumer: uuid.UUID) -> None:
         self._execute("consumer_unregister", {"id": consumer})
+
+    def mark_stopping(self) -> int:
+        """This process's consumers were told to stop (consumer_stopping); how many."""
+        return self._execute("consumer_stopping", {"host": socket.gethostname(),
+                                                   "pid": os.getpid()}).rowcount

@@ -44,6 +44,14 @@ Limits
   callback published twice that way is deduplicated by the pgbroker broker (same task id), not
   by another broker.
 * Storing a result and acking its job in one transaction is not done (see below).
+* A result write whose statement fails on a living connection (disk full, a lock or statement
+  timeout) is tried a few times, a short pause apart (pgbroker._retry), before the worker acks
+  the task. A success that still cannot be stored is
+  recorded in its job row (pgbroker._failures), so that the ack ends the job ``dead`` with
+  "the task succeeded but its result could not be stored: <SQLSTATE> <message>", and
+  :class:`pgbroker.errors.JobDead` is raised to Celery. A task id with no stored result whose
+  job is ``dead`` reads as that FAILURE (the job's ``last_error``), never PENDING for ever; a
+  waiter reads it at its next re-read (``poll_interval``): no NOTIFY says so.
 
 Result and ack in one transaction (not implemented)
 ===================================================
@@ -83,11 +91,13 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps as json_dumps
 
 from . import _db
+from ._retry import TRIES, retried, statement_failure
+from ._failures import record_unstored_result
 from ._messages import MAX_ID_BYTES
 from ._sql import Queries
 from ._store import Store
 from ._text import ESCAPED, escape, escape_json, storable
-from .errors import ConfigurationError, DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseUnavailable, JobDead
 from .settings import Settings
 
 __all__ = ["DatabaseBackend", "ResultConsumer"]
@@ -203,6 +213,8 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         kind, ident = self._split_key(key)
         if kind == "task":
             row = self._run("result_get", {"task_id": ident}).fetchone()
+            if row is None:
+                return self._dead({ident}).get(ident)
         elif kind == "group":
             row = self._run("result_group_get", {"group_id": ident}).fetchone()
         else:
@@ -223,7 +235,21 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         if not ids:
             return {}
         rows = self._run("result_get_many", {"task_ids": ids}).fetchall()
-        return {task_id: bytes(payload) for task_id, payload in rows}
+        found = {task_id: bytes(payload) for task_id, payload in rows}
+        missing = set(ids) - found.keys()
+        return {**found, **self._dead(missing)} if missing else found
+
+    def _dead(self, task_ids: Iterable[str]) -> dict[str, bytes]:
+        """The FAILURE payloads (:class:`JobDead`, with the job's reason) of these task ids
+        whose job is ``dead`` with no result stored (result_job_dead)."""
+        rows = self._run("result_job_dead", {"task_ids": list(task_ids)}).fetchall()
+        found = {}
+        for task_id, reason in rows:
+            meta = self._get_result_meta(
+                result=self.encode_result(JobDead(reason), states.FAILURE),
+                state=states.FAILURE, traceback=None, request=None)
+            found[task_id] = _bytes(self.encode({**meta, "task_id": task_id}))
+        return found
 
     def set(self, key: str | bytes, value: str | bytes, expires: float | None = None) -> None:
         kind, ident = self._split_key(key)
@@ -271,11 +297,22 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
                                      request=request)
         meta["task_id"] = bytes_to_str(task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
+        payload = self.encode(meta)
         try:
-            self._set_task(meta["task_id"], self.encode(meta), meta, expires)
+            retried(lambda: self._set_task(meta["task_id"], payload, meta, expires),
+                    f"storing the {state} of task {task_id}")
         except psycopg.errors.ProgramLimitExceeded as exc:
             raise BackendStoreError(f"result too large for PostgreSQL: {exc}", state=state,
                                     task_id=task_id) from exc
+        except Exception as exc:
+            failure = statement_failure(exc)
+            if state != states.SUCCESS or failure is None:
+                raise  # a lost connection (Celery's result_backend_always_retry), bad data
+            reason = f"the task succeeded but its result could not be stored: {failure}"
+            logger.error("pgbroker result backend: task %s: %s (%d tries)", task_id, reason,
+                         TRIES)
+            record_unstored_result(self.app, request, reason)
+            raise JobDead(reason) from exc
         return result
 
     def _set_task(self, task_id: str, payload: str | bytes, meta: Mapping[str, Any],

@@ -9,8 +9,10 @@
      ├── MessageError (ValueError)            a message refused at publish (size, name, header)
      │    └── IdempotencyKeyRequired          a task configured to need a key was sent without one
      ├── OperationError                       an operator action that cannot be done as asked
-     └── DeliveryLost                         pgbroker.complete(): the delivery is no longer the
-                                              task's to complete (its transaction must not commit)
+     ├── DeliveryLost                         pgbroker.complete(): the delivery is no longer the
+     │                                        task's to complete (its transaction must not commit)
+     └── JobDead                              AsyncResult.get(): the task's job ended dead and no
+                                              result of it is stored (the message says why)
 
 Driver errors are translated in :mod:`pgbroker._db` with ``__cause__`` kept.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "IdempotencyKeyRequired",
     "OperationError",
     "DeliveryLost",
+    "JobDead",
 ]
 
 
@@ -60,3 +63,10 @@ class OperationError(PgBrokerError):
 class DeliveryLost(PgBrokerError):
     """:func:`pgbroker.complete` cannot complete the current delivery (it was taken back, acked
     on receipt or completed already): the task's transaction must not commit."""
+
+
+class JobDead(PgBrokerError):
+    """The task's job ended ``dead`` and no result of it is stored: its success could not be
+    written (a disk full, a lock or statement timeout), or its worker was lost during every
+    attempt. The message is the job's ``last_error``. What the pgbroker result backend reports
+    as the task's FAILURE, rather than PENDING for ever."""

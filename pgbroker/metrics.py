@@ -383,7 +383,8 @@ class _Collector:
         yield beat
         tasks = GaugeMetricFamily(
             "pgbroker_task_paused", "1 if the task name is paused (no worker claims it): by "
-            "pgbroker after deliveries in a row lost their worker, or by an operator",
+            "pgbroker when its deliveries kept killing their pool process or took down different "
+            "workers, or by an operator",
             labels=["task"])
         for task in sorted({t.task for t in snap.tasks if t.task} | set(snap.paused_tasks)):
             tasks.add_metric([task], int(task in snap.paused_tasks))

@@ -491,7 +491,8 @@ class Operations:
         return self._rows("task_pause_list", {})
 
     def loss_streaks(self) -> list[dict[str, Any]]:
-        """Task names whose last deliveries lost their worker, not (yet) paused."""
+        """Task names whose last deliveries killed their pool process (``streak``) or took
+        down whole workers (``workers``, each once), not (yet) paused."""
         return self._rows("task_loss_list", {})
 
     def pause_task(self, task: str, reason: str = "") -> bool:

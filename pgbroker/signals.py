@@ -26,9 +26,11 @@ must be quick -- hand slow work (an e-mail) to a task.
 
 ``task_paused(sender=task name, task, reason, job_ids, actor)``
     A task name was paused: no worker claims it until it is resumed. ``actor`` is
-    ``"pgbroker"`` when it paused itself (``pause_task_after`` deliveries in a row lost their
-    worker; ``job_ids`` names their jobs), else the operator. A pause by pgbroker is also
-    logged at CRITICAL.
+    ``"pgbroker"`` when it paused itself (``pause_task_after`` deliveries in a row killed their
+    pool process, or took down that many different workers none of which was told to stop;
+    ``reason`` names the evidence, ``job_ids`` the jobs), else the operator. A pause by
+    pgbroker is also logged at CRITICAL in the process that made it (a worker's main process,
+    or the sweeper's).
 
 ``task_resumed(sender=task name, task, reason, actor)``
     A paused task name was resumed.

@@ -1,5 +1,6 @@
 """``pgbroker task list|pause|resume``: task names paused -- by pgbroker itself, after
-``pause_task_after`` deliveries in a row lost their worker, or by an operator.
+``pause_task_after`` deliveries in a row killed their pool process, or after its deliveries took
+down that many different workers (none told to stop), or by an operator.
 
 Each action goes through :class:`pgbroker.ops.Operations` (audited, with the operating-system
 user as the actor and ``--reason`` as why).
@@ -21,7 +22,8 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -
     """Add ``task list|pause|resume`` to the ``pgbroker`` command line."""
     parents = list(parents)
     text = ("Task names paused (no worker claims their jobs): by pgbroker when deliveries in a "
-            "row lost their worker (pause_task_after), or by hand. List, pause, resume.")
+            "row killed their pool process, or took down different workers none of which was "
+            "told to stop (pause_task_after), or by hand. List, pause, resume.")
     top = subparsers.add_parser("task", help=text, description=text, parents=parents)
     sub = top.add_subparsers(dest="task_command", metavar="ACTION", required=True)
     p = sub.add_parser("list", help="The paused task names (why, by whom, the jobs that caused "
@@ -50,10 +52,10 @@ def _cmd_list(ops: Operations, args: argparse.Namespace) -> int:
                   first_line(r["reason"]), " ".join(map(str, r["job_ids"])) or "-"]
                  for r in paused]) if paused else "no paused task")
     if streaks:
-        print("\nlost deliveries in a row (not paused yet):")
-        print(table(["TASK", "IN A ROW", "LAST", "JOBS"],
-                    [[r["task"], r["streak"], r["last_at"], " ".join(map(str, r["job_ids"]))]
-                     for r in streaks]))
+        print("\nlosses that point to the task, in a row (not paused yet):")
+        print(table(["TASK", "POOL PROCESSES KILLED", "WORKERS TAKEN DOWN", "LAST", "JOBS"],
+                    [[r["task"], r["streak"], " ".join(r["workers"]) or "-", r["last_at"],
+                      " ".join(map(str, r["job_ids"]))] for r in streaks]))
     return 0
 
 

@@ -635,7 +635,8 @@ WITH gone AS MATERIALIZED (
     -- conditional on the very delivery that was found orphaned
     WHERE j.id = o.id AND j.state = 'running' AND j.attempts = o.attempts
       AND j.locked_by IS NOT DISTINCT FROM o.locked_by
-    RETURNING j.id, j.queue, j.state, j.task, j.attempts, j.last_error, j.priority, j.run_at
+    RETURNING j.id, j.queue, j.state, j.task, j.attempts, j.last_error, j.priority, j.run_at,
+              o.locked_by AS owner
 ), forgotten AS (
     DELETE FROM {schema}.consumers WHERE id IN (SELECT id FROM gone)
     RETURNING id
@@ -654,7 +655,13 @@ SELECT (SELECT count(*) FROM rescued WHERE state = 'pending'),
        ARRAY(SELECT attempts FROM rescued WHERE state <> 'cancelled' ORDER BY id),
        (SELECT coalesce(jsonb_agg(jsonb_build_object('id', id, 'task', task, 'attempts', attempts,
                                                      'reason', last_error)), '[]'::jsonb)
-        FROM rescued WHERE state = 'dead');
+        FROM rescued WHERE state = 'dead'),
+       -- the host of each one's worker, NULL where it was told to stop or is unknown: a loss
+       -- that points to no task (0019_loss_evidence.sql). (This query sees the consumers rows
+       -- as they were before `forgotten` deleted them.)
+       ARRAY(SELECT CASE WHEN c.stopping_at IS NULL THEN c.host END
+             FROM rescued AS r LEFT JOIN {schema}.consumers AS c ON c.id = r.owner
+             WHERE r.state <> 'cancelled' ORDER BY r.id);
 
 -- name: job_prune
 -- Finished rows past the retention window, oldest first, one small batch per statement so that

@@ -12,6 +12,20 @@ WHERE task_id = %(task_id)s AND (expires_at IS NULL OR expires_at > now());
 SELECT task_id, payload FROM {schema}.results
 WHERE task_id = ANY(%(task_ids)s) AND (expires_at IS NULL OR expires_at > now());
 
+-- name: result_job_dead
+-- The task ids among %(task_ids)s that have no stored result and whose job ended dead, with the
+-- job's reason (its success could not be stored, its worker was lost during every attempt):
+-- their waiters are told FAILURE (pgbroker.errors.JobDead) instead of PENDING for ever. Only the
+-- newest row of a task id counts (a retry publishes another row with the same id), read by
+-- jobs_task_delivery_idx; a dead job an operator retries is pending again, and reads PENDING.
+SELECT newest.task_id, coalesce(newest.last_error, 'its job is dead')
+FROM (SELECT DISTINCT ON (j.task_id) j.task_id, j.state, j.last_error
+      FROM {schema}.jobs AS j
+      WHERE j.task_id = ANY(%(task_ids)s)
+      ORDER BY j.task_id, j.retries DESC, j.id DESC) AS newest
+WHERE newest.state = 'dead'
+  AND NOT EXISTS (SELECT 1 FROM {schema}.results AS r WHERE r.task_id = newest.task_id);
+
 -- name: result_set
 -- Store a task's state. A stored SUCCESS is never overwritten (Celery's rule, so that a lost
 -- or redelivered run cannot replace a result already delivered), decided here in one statement

@@ -1,42 +1,63 @@
--- Per task name: the streak of deliveries that lost their worker, pausing and resuming a task
--- name (pgbroker/_pause.py, pgbroker.ops), and a task completing its own delivery in its own
+-- Per task name: the losses that point to it (0019_loss_evidence.sql), pausing and resuming a
+-- task name (pgbroker/_pause.py, pgbroker.ops), and a task completing its own delivery in its own
 -- transaction (pgbroker/_complete.py). {schema} is the quoted schema name; every value is a bound
--- parameter. Tables: migration 0009.
+-- parameter. Tables: migrations 0009 and 0019.
 
 -- name: task_loss_record
--- Deliveries (%(ids)s, %(attempts)s) that lost their worker: the sweeper rescued them, or Celery
--- gave them back or failed them after their pool process died. Each lengthens its task's streak
--- of losses in a row (a delivery of the task that completes ends the streak: job_ack, job_claim,
--- job_complete). A streak of %(pause_after)s pauses the task, audited in the same statement.
+-- Deliveries (%(ids)s, %(attempts)s) that were lost, where the evidence points to their task
+-- (0019_loss_evidence.sql). %(workers)s, one per delivery: NULL where the delivery killed its
+-- pool process (Celery's WorkerLostError, seen in the worker's main process: requeued with
+-- task_reject_on_worker_lost, or failed), else the host of the whole worker that went down
+-- under it with no shutdown signal (the sweeper's rescues; a worker told to stop is never
+-- reported). A pool process lengthens the task's streak; a whole worker joins the task's
+-- workers, once however often it goes down. A delivery of the task that completes ends both
+-- (job_ack, job_claim, job_complete). A streak, or a count of different workers, of
+-- %(pause_after)s pauses the task, audited in the same statement, with the evidence as reason.
 -- Returns the tasks paused by this statement, with the jobs of their streak.
 WITH lost AS (
     -- (a delivery is counted once: the same (id, attempt) reported twice is one loss)
-    SELECT j.task, count(DISTINCT (j.id, d.attempt)) AS n,
+    SELECT j.task,
+           count(DISTINCT (j.id, d.attempt)) FILTER (WHERE d.worker IS NULL) AS n,
+           coalesce(array_agg(DISTINCT d.worker) FILTER (WHERE d.worker IS NOT NULL),
+                    '{}') AS workers,
            array_agg(DISTINCT j.id) AS ids
     FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt) ON j.id = d.id
+    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[], %(workers)s::text[])
+         AS d(id, attempt, worker) ON j.id = d.id
     WHERE j.task IS NOT NULL
     GROUP BY j.task
 ), streaks AS (
     -- an upsert: two processes reporting losses of one task at once add up, one after the other
-    INSERT INTO {schema}.task_losses AS s (task, streak, job_ids, last_at)
-    SELECT task, n, ids[greatest(cardinality(ids) - 19, 1):], now() FROM lost
+    INSERT INTO {schema}.task_losses AS s (task, streak, workers, job_ids, last_at)
+    SELECT task, n, workers, ids[greatest(cardinality(ids) - 19, 1):], now() FROM lost
     ON CONFLICT (task) DO UPDATE
     SET streak = s.streak + EXCLUDED.streak,
+        -- each worker once, in the order they went down (at most 20)
+        workers = (SELECT coalesce(array_agg(w ORDER BY n), '{}') FROM (
+                       SELECT w, min(n) AS n FROM unnest(s.workers || EXCLUDED.workers)
+                                                  WITH ORDINALITY AS u(w, n)
+                       GROUP BY w ORDER BY min(n) LIMIT 20) AS first),
         -- the newest 20 jobs, each once
         job_ids = (SELECT array_agg(id) FROM (
                        SELECT id FROM unnest(s.job_ids || EXCLUDED.job_ids)
                                       WITH ORDINALITY AS u(id, n)
                        GROUP BY id ORDER BY max(n) DESC LIMIT 20) AS newest),
         last_at = now()
-    RETURNING task, streak, job_ids
+    RETURNING task, streak, workers, job_ids
 ), paused AS (
     INSERT INTO {schema}.task_pauses (task, paused_by, reason, job_ids)
     SELECT task, 'pgbroker',
-           format('%%s deliveries in a row lost their worker (killed, out of memory or '
-                  'unreachable)', streak),
+           CASE WHEN streak >= %(pause_after)s
+                THEN format('%%s deliveries in a row killed their pool process (Celery''s '
+                            'WorkerLostError: killed, out of memory or exited): jobs %%s',
+                            streak, array_to_string(job_ids, ', '))
+                ELSE format('took down %%s different workers in a row (%%s: each lost as a '
+                            'whole while running it, none told to stop): jobs %%s',
+                            cardinality(workers), array_to_string(workers, ', '),
+                            array_to_string(job_ids, ', ')) END,
            job_ids
-    FROM streaks WHERE streak >= %(pause_after)s
+    FROM streaks
+    WHERE streak >= %(pause_after)s OR cardinality(workers) >= %(pause_after)s
     ON CONFLICT (task) DO NOTHING  -- paused already
     RETURNING task, reason, job_ids
 ), held AS (
@@ -122,8 +143,16 @@ FROM {schema}.task_pauses AS p
 ORDER BY p.paused_at DESC, p.task;
 
 -- name: task_loss_list
--- The streaks of losses under way (not yet long enough to pause their task).
-SELECT task, streak, job_ids, last_at FROM {schema}.task_losses ORDER BY last_at DESC, task;
+-- The streaks of losses under way (not yet long enough to pause their task): deliveries in a
+-- row that killed their pool process, and the different workers lost under the task.
+SELECT task, streak, workers, job_ids, last_at FROM {schema}.task_losses
+ORDER BY last_at DESC, task;
+
+-- name: consumer_stopping
+-- This worker process (%(host)s, %(pid)s) was told to stop (a warm, soft or cold shutdown): a
+-- rescue of its jobs after this counts against no task (task_loss_record, job_rescue).
+UPDATE {schema}.consumers SET stopping_at = now()
+WHERE host = %(host)s AND pid = %(pid)s AND stopping_at IS NULL;
 
 -- name: job_complete
 -- The task of delivery (%(id)s, %(attempt)s) completes it inside its own transaction

@@ -17,6 +17,7 @@ import time
 
 import psycopg
 from celery import Celery
+from celery.exceptions import Reject
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
@@ -36,6 +37,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     broker_transport_options=json.loads(os.environ.get("PGBROKER_TEST_TRANSPORT_OPTIONS", "{}")),
+    # a soft shutdown (issue 27, item 3): the tasks get this long before a cold shutdown
+    worker_soft_shutdown_timeout=float(os.environ.get("PGBROKER_TEST_SOFT_SHUTDOWN", "0")),
     # the receivers of pgbroker's signals live in a module of their own, imported as a worker
     # (or `pgbroker -A ... sweep`) imports an app's include list
     include=["tests.e2e.jobsem_receivers"],
@@ -158,6 +161,13 @@ def crash_acked(self, key: str) -> None:
     """Kills its pool process; Celery then fails it (WorkerLostError) rather than requeue it."""
     _run("crash_acked", key)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(bind=True)
+def reject_again(self, key: str) -> None:
+    """Gives its message back every time (Reject(requeue=True)): its pool process lives on."""
+    _run("reject_again", key)
+    raise Reject(requeue=True)
 
 
 @app.task(bind=True)

@@ -17,11 +17,13 @@ def test_a_paused_task_is_shown_with_its_jobs_and_resumed_by_the_button(
     job = add_job(pg, "pending", task="t.poison")
     # as pgbroker pauses it (task_loss_record): its jobs named
     pg.execute("INSERT INTO pgbroker.task_pauses (task, paused_by, reason, job_ids) "
-               "VALUES ('t.poison', 'pgbroker', '5 deliveries in a row lost their worker', "
-               "ARRAY[%s]::uuid[])", (job,))
+               "VALUES ('t.poison', 'pgbroker', '5 deliveries in a row killed their pool process "
+               "(Celery''s WorkerLostError)', ARRAY[%s]::uuid[])", (job,))
     page = client.get("/").text
     assert 'data-task="t.poison"' in page
-    assert "5 deliveries in a row lost their worker" in page
+    assert "5 deliveries in a row killed their pool process" in page
+    # what counts towards such a pause, and what does not (0019_loss_evidence.sql)
+    assert "What pauses a task" in page and "counts against no task" in page
     assert f'/jobs/{job}"' in page and "1 job(s) waiting" in page
     response = client.post("/tasks/resume", data={"task": "t.poison", "reason": "fixed in 1.4.2",
                                                   "csrf_token": csrf(client)})

@@ -27,8 +27,9 @@ from celery.result import GroupResult
 
 from pgbroker._text import unescape, unescape_json
 from pgbroker.backend import DatabaseBackend
-from pgbroker.errors import ConfigurationError, SchemaError
+from pgbroker.errors import ConfigurationError, JobDead, SchemaError
 from tests.e2e import results_app
+from tests.support.db import add_job
 
 BODY = results_app.NAME + "collect"  # the chord body of these tests (never run here)
 
@@ -131,6 +132,28 @@ def test_a_success_is_never_overwritten(backend: DatabaseBackend) -> None:
 
 
 SURROGATE = b"caf\xe9".decode("utf-8", "surrogateescape")  # os.listdir's name for b"caf\xe9"
+
+
+def test_a_dead_job_without_a_result_reads_as_its_failure(app: Celery, backend: DatabaseBackend,
+                                                         pg: psycopg.Connection) -> None:
+    """Issue 27, item 2: a task id with no stored result whose newest job is dead reads as
+    FAILURE (JobDead, with the job's reason), never PENDING for ever; a stored result, or a
+    newer row of the id that may still run (a retry), wins."""
+    reason = "the task succeeded but its result could not be stored: 53100 disk full"
+    add_job(pg, "dead", task_id="gone", last_error=reason)
+    add_job(pg, "dead", task_id="retried", retries=0, last_error="boom")
+    add_job(pg, "pending", task_id="retried", retries=1)
+    add_job(pg, "dead", task_id="stored", last_error="late")
+    store(backend, "stored", 7)
+    gone = app.AsyncResult("gone")
+    assert gone.state == states.FAILURE
+    assert isinstance(gone.result, JobDead) and str(gone.result) == reason
+    assert app.AsyncResult("retried").state == states.PENDING
+    assert app.AsyncResult("stored").get(timeout=1) == 7
+    keys = [backend.get_key_for_task(t) for t in ("gone", "retried", "stored", "nothing")]
+    found = [None if p is None else backend.decode_result(p)["status"]
+             for p in backend.mget(keys)]
+    assert found == [states.FAILURE, None, states.SUCCESS, None]
 
 
 def test_values_jsonb_cannot_hold_are_kept_in_the_payload(backend: DatabaseBackend,

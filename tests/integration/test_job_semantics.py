@@ -48,9 +48,11 @@ def test_sweeper_signals_each_dead_job_once_and_pauses_the_task(
         db_url: str, pg: psycopg.Connection, received: list[Any]) -> None:
     store = store_for(db_url, pause_task_after=2)
     try:
+        # (two different workers taken down, neither told to stop: 0019_loss_evidence.sql)
         last = add_job(pg, "running", task="t.poison", attempts=3, max_attempts=3,
-                       locked_by=lost_consumer(pg))
-        again = add_job(pg, "running", task="t.poison", attempts=1, locked_by=lost_consumer(pg))
+                       locked_by=lost_consumer(pg, "host-1"))
+        again = add_job(pg, "running", task="t.poison", attempts=1,
+                        locked_by=lost_consumer(pg, "host-2"))
         result = Sweeper(store).run_once()
         assert (result.rescued, result.buried) == (1, 1)
         assert Sweeper(store).run_once().buried == 0   # a second pass changes nothing

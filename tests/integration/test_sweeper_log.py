@@ -18,11 +18,11 @@ from tests.support.db import add_job
 from tests.integration.transport_support import store_for
 
 
-def lost_consumer(pg: psycopg.Connection) -> uuid.UUID:
-    """A consumer row whose session lock nobody holds: its connection is gone."""
+def lost_consumer(pg: psycopg.Connection, host: str = "gone-host") -> uuid.UUID:
+    """A consumer row on ``host`` whose session lock nobody holds: its connection is gone."""
     consumer = uuid.uuid4()
     pg.execute("INSERT INTO pgbroker.consumers (id, host, pid, queues, lock_key)"
-               " VALUES (%s, 'gone-host', 1, '{q1}', 4242)", (consumer,))
+               " VALUES (%s, %s, 1, '{q1}', 4242)", (consumer, host))
     return consumer
 
 

@@ -129,10 +129,10 @@ def test_the_automatic_pause_and_a_retried_dead_job_wait_out_of_the_claims_way(
     store = store_for(db_url, pause_task_after=2)
     try:
         backlog = [add_job(pg, "pending", task=PAUSED) for _ in range(50)]
-        for _ in range(2):
-            add_job(pg, "running", task=PAUSED, locked_by=lost_consumer(pg))
+        for host in ("host-1", "host-2"):
+            add_job(pg, "running", task=PAUSED, locked_by=lost_consumer(pg, host))
         dead = add_job(pg, "dead", task=PAUSED, attempts=5, max_attempts=5)
-        assert Sweeper(store).run_once().rescued == 2   # two lost deliveries: paused
+        assert Sweeper(store).run_once().rescued == 2   # two different workers lost: paused
         marked = {r[0] for r in pg.execute(
             "SELECT id FROM pgbroker.jobs WHERE task_paused AND state = 'pending'")}
         assert set(backlog) <= marked and len(marked) == 52   # the rescued ones too

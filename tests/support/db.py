@@ -1,5 +1,6 @@
-"""Reading the database as the tests do: its clock, the ``jobs`` rows, counts per state; and
-job rows made with SQL in the states the transport leaves (:func:`add_job`).
+"""Reading the database as the tests do: its clock, the ``jobs`` rows, counts per state; job
+rows made with SQL in the states the transport leaves (:func:`add_job`); and a deterministic
+disk-full fault (:func:`disk_full_when`).
 
 pgbroker trusts only the database's clock, so do the tests: a time a test computes comes from
 :func:`db_now`, never from the test process.
@@ -17,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 __all__ = ["CHILD_KILLED", "CHILD_LOST", "LOST", "add_job", "add_jobs", "counts", "db_now",
-           "free_port", "jobs", "rows"]
+           "disk_full_when", "free_port", "jobs", "rows"]
 
 
 def db_now(pg: psycopg.Connection) -> datetime:
@@ -83,3 +84,22 @@ def add_job(pg: psycopg.Connection, state: str, queue: str = "q1", task: str | N
 def add_jobs(pg: psycopg.Connection, n: int, state: str, **kw: Any) -> None:
     for _ in range(n):
         add_job(pg, state, **kw)
+
+
+def disk_full_when(pg: psycopg.Connection, table: str, condition: str) -> None:
+    """A full disk for the writes to ``table`` where ``condition`` holds (SQL over ``NEW``): a
+    ``BEFORE INSERT OR UPDATE`` trigger raises SQLSTATE 53100 (disk_full) on a connection that
+    lives on. A ``nextval()`` in ``condition`` counts the writes (it is not undone when the
+    statement fails)."""
+    name = "disk_full_" + table.replace(".", "_")
+    pg.execute(f"""
+        CREATE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF {condition} THEN
+                RAISE EXCEPTION 'disk full (test)' USING ERRCODE = 'disk_full';
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER {name} BEFORE INSERT OR UPDATE ON {table}
+            FOR EACH ROW EXECUTE FUNCTION public.{name}();
+    """)
