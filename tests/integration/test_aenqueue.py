@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import async_scoped_session, async_sessionmaker, cre
 from sqlalchemy.orm import Session
 
 import pgbroker
+from pgbroker._claims import parse_wake
 from pgbroker.errors import IdempotencyKeyRequired, SchemaError
 from tests.integration.enqueue_support import (
     ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)
@@ -105,8 +106,9 @@ async def test_the_wake_up_notification_comes_with_the_commit(
             assert notifications(listen, 0.5) == []  # the transaction is still open
             await caller.commit()
             [payload] = notifications(listen, 30)
-        delay, queue = payload.split(" ")
-        assert (float(delay), queue) == (0, "wake")
+        kind, queue = payload.split(" ")
+        delay, place = parse_wake(kind)  # (0014_claim_cursor.sql)
+        assert (delay, place[0], queue) == (0, 0, "wake")
     finally:
         listen.close()
 

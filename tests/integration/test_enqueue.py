@@ -31,6 +31,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import create_engine
 
 import pgbroker
+from pgbroker._claims import parse_wake
 from pgbroker._target import current_target as _current_target
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from tests.support.processes import wait_for
@@ -280,8 +281,10 @@ def test_wake_up_notification_is_delivered_only_at_commit(
         assert notifications(listen, 0.5) == []  # the transaction is still open
         caller.commit()
         [payload] = notifications(listen, 30)
-        delay, queue = payload.split(" ")
-        assert (float(delay), queue) == (0, "wake")
+        kind, queue = payload.split(" ")
+        # the delay, and the job's place in the claim order (0014_claim_cursor.sql)
+        (run_at,) = pg.execute("SELECT run_at FROM pgbroker.jobs WHERE queue = 'wake'").fetchone()
+        assert (parse_wake(kind), queue) == ((0, (0, run_at, uuid.UUID(int=0))), "wake")
     finally:
         listen.close()
 

@@ -49,8 +49,9 @@ _names = itertools.count(1)
 #: The variables of roles.sql.example.
 NAMES = ("database", "schema", "migration_role", "app_role", "producer_role", "worker_role")
 
-#: A wake-up: "<seconds until due> <queue>"; a broadcast: "b <broadcast id> <exchange>".
-WAKE_UP = re.compile(r"^\d+(\.\d+)? \S.*$")
+#: A wake-up: "<seconds until due>[,<priority>,<run_at in µs>] <queue>" (jobs_wake_payload,
+#: 0014: without the place, from a resume or an admin retry); a broadcast: "b <id> <exchange>".
+WAKE_UP = re.compile(r"^\d+(\.\d+)?(,\d+,-?\d+)? \S.*$")
 POINTER = re.compile(r"^b [0-9a-f-]{36} \S+$")
 
 

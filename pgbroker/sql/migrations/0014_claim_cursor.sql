@@ -24,6 +24,9 @@
 --    microseconds since the epoch> <queue>' (the older '<delay> <queue>' is still read: a wake-up
 --    without a position). One definition for every statement that makes rows pending.
 --
+-- 4. The insert reads back its job's priority for that payload: every role that may insert jobs
+--    gets SELECT on jobs.priority (roles.sql.example's producer role reads a few columns only).
+--
 -- Operational caveats: jobs_claim_idx is rebuilt in this transaction: claims and inserts wait
 -- while it is built (a scan of the table, about a second per million rows; the index itself
 -- holds the pending rows only). Workers of an older pgbroker still running against the new
@@ -43,4 +46,18 @@ RETURNS text
 LANGUAGE sql STABLE AS $$
     SELECT greatest(p_delay, 0)::text || ',' || p_priority::text || ','
            || (extract(epoch FROM p_run_at) * 1000000)::bigint::text || ' ' || p_queue
+$$;
+
+DO $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT DISTINCT a.grantee::regrole::text AS name
+             FROM pg_class AS c, aclexplode(c.relacl) AS a
+             WHERE c.oid = '{schema}.jobs'::regclass AND a.privilege_type = 'INSERT'
+               AND a.grantee <> 0 AND a.grantee <> c.relowner
+               AND NOT has_column_privilege(a.grantee, '{schema}.jobs', 'priority', 'SELECT')
+    LOOP
+        EXECUTE format('GRANT SELECT (priority) ON {schema}.jobs TO %s', r.name);
+    END LOOP;
+END
 $$;
