@@ -15,7 +15,7 @@ _DB = conninfo_to_dict(normalize_url(_URL))
 SECRET_KEY = "pgbroker-tests-only"
 DEBUG = False
 USE_TZ = True
-INSTALLED_APPS = ["tests.django_project.shop"]
+INSTALLED_APPS = ["pgbroker.contrib.django", "tests.django_project.shop"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DATABASES = {
     "default": {
@@ -36,3 +36,6 @@ CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+if os.environ.get("PGBROKER_TEST_NO_BROKER"):  # a project whose Celery broker is not set
+    del CELERY_BROKER_URL, CELERY_RESULT_BACKEND
