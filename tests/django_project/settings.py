@@ -36,6 +36,8 @@ CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# ends the broker's sessions on the test database before Django drops it (manage.py test)
+TEST_RUNNER = "pgbroker.contrib.django.testing.DiscoverRunner"
 
 if os.environ.get("PGBROKER_TEST_NO_BROKER"):  # a project whose Celery broker is not set
     del CELERY_BROKER_URL, CELERY_RESULT_BACKEND

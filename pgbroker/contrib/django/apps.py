@@ -3,7 +3,8 @@
 What it brings: the schema by ``manage.py migrate`` (:mod:`.migrations`), ``manage.py pgbroker``
 (:mod:`.management.commands.pgbroker`), the system checks (:mod:`.checks`), the ``pgbroker://``
 scheme registered with kombu in every process that loads the project (``runserver``, gunicorn,
-``manage.py shell``, the Celery worker). See docs/django.md.
+``manage.py shell``, the Celery worker), and, with ``PGBROKER_JOIN_ATOMIC = True``, ``.delay()``
+joining ``atomic()`` (:mod:`.atomic`). See docs/django.md.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from django.apps import AppConfig
 
 from ...transport import register_scheme
-from . import checks
+from . import atomic, checks, conf
 
 __all__ = ["PgBrokerConfig"]
 
@@ -25,3 +26,7 @@ class PgBrokerConfig(AppConfig):
     def ready(self) -> None:
         register_scheme()  # done by `import pgbroker` already (a parent package): said here
         checks.register_all()
+        if conf.join_atomic():
+            atomic.install()
+        else:
+            atomic.uninstall()

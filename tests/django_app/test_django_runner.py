@@ -1,0 +1,17 @@
+"""``manage.py test`` of the test project: Django's runner makes its test database with
+``migrate`` (so pgbroker's schema comes from pgbroker's Django migration) and runs Django's own
+``TestCase`` and ``TransactionTestCase`` against ``.delay()`` joining ``atomic()``
+(``tests/django_project/shop/tests.py``), with a real worker for the committed case."""
+
+from __future__ import annotations
+
+from tests.django_app.django_support import manage
+
+
+def test_djangos_testcase_and_transactiontestcase(empty_url: str) -> None:
+    done = manage(empty_url, "test", "tests.django_project.shop", "--noinput", "-v", "2",
+                  settings="tests.django_project.settings_atomic")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Applying pgbroker.0001_schema... OK" in output
+    assert "Ran 5 tests" in output and "OK" in output
