@@ -39,7 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from . import _target, _write
+from . import _eager, _target, _write
 from ._connector import aconnector_for
 from .enqueue import BATCH_SIZE, job_for, jobs_for
 
@@ -56,6 +56,10 @@ async def aenqueue(db: Any, task: Any, args: Sequence[Any] = (),
     ``priority``, ``max_attempts``, ``headers``; an unknown one is a TypeError), the same
     message, the same errors. Never commits.
     """
+    eager = _eager.eager_task(app, task)
+    if eager is not None:  # task_always_eager: run it now, as .delay() does (pgbroker._eager)
+        _eager.checked(app, task, lambda: job_for(app, task, args, kwargs, options))
+        return _eager.run(eager, args, kwargs, options.get("headers"))
     settings, job = job_for(app, task, args, kwargs, options)
     return await _write.ainsert(await aconnector_for(db).connection(), settings, job)
 
