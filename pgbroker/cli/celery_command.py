@@ -6,7 +6,7 @@ registers the ``pgbroker://`` scheme with kombu: so ``celery -A proj worker`` (`
 ``inspect``, ``call``, ...) finds the transport even when nothing in the project imports
 pgbroker -- a project changes ``broker_url`` and nothing else. (A process that publishes without
 Celery's command line and without pgbroker's Django app must still ``import pgbroker``: see the
-README, "The transport without an import".)
+README's configuration snippet and docs/django.md, "The transport without an import".)
 
 The subcommand passes ``-A`` on to ``pgbroker`` (its ``broker_url`` and transport options give
 the database), unless the arguments name ``--database-url`` or ``-A`` themselves.

@@ -15,7 +15,7 @@ def test_djangos_testcase_and_transactiontestcase(empty_url: str) -> None:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "Applying pgbroker.0001_schema... OK" in output
-    assert "Ran 5 tests" in output and "OK" in output
+    assert "Ran 6 tests" in output and "OK" in output
 
 
 def test_djangos_testcase_in_eager_mode(empty_url: str) -> None:

@@ -47,6 +47,15 @@ class JoinAtomicTestCase(TestCase):
             raise Abort
         testing.refute_enqueued(connection, app=app)
 
+    def test_a_rolled_back_savepoint_drops_only_its_job(self) -> None:
+        with transaction.atomic():
+            confirm_order.delay(1)
+            with self.assertRaises(Abort), transaction.atomic():  # a SAVEPOINT
+                confirm_order.delay(2)
+                raise Abort
+        testing.assert_enqueued(connection, confirm_order, args=[1], count=1, app=app)
+        testing.refute_enqueued(connection, confirm_order, args=[2], app=app)
+
     def test_run_enqueued_runs_the_job_here(self) -> None:
         order = Order.objects.create(item="pen")
         confirm_order.delay(order.pk)
