@@ -36,6 +36,9 @@ CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Django's task framework (the django-tasks backport on Django 5) on pgbroker
+TASKS = {"default": {"BACKEND": "pgbroker.contrib.django.tasks.Backend",
+                     "QUEUES": ["default", "urgent"]}}
 # ends the broker's sessions on the test database before Django drops it (manage.py test)
 TEST_RUNNER = "pgbroker.contrib.django.testing.DiscoverRunner"
 

@@ -26,7 +26,11 @@ from ...errors import ConfigurationError
 from ...settings import Settings
 from ..django_connector import conninfo_of
 
-__all__ = ["JOIN_ATOMIC", "broker", "celery_app", "join_atomic", "same_database", "settings"]
+__all__ = ["JOIN_ATOMIC", "TASK_NAME", "broker", "celery_app", "join_atomic", "same_database",
+           "settings"]
+
+#: The Celery task name of every ``django.tasks`` task's message (pgbroker.contrib.django.tasks).
+TASK_NAME = "pgbroker.django_task"
 
 #: The Django setting that makes ``.delay()`` join Django's ``atomic()`` (off by default).
 JOIN_ATOMIC = "PGBROKER_JOIN_ATOMIC"

@@ -10,6 +10,10 @@ what a committed ``atomic()`` enqueued.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import psycopg
 from django.db import connection, transaction
 from django.test import TestCase, TransactionTestCase
@@ -17,7 +21,7 @@ from django.test import TestCase, TransactionTestCase
 from pgbroker import testing
 from pgbroker.contrib.django_connector import alias_conninfo
 from tests.django_project.celery import app
-from tests.support.processes import run_worker, wait_for
+from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 from .models import Order
 from .tasks import confirm_order
@@ -33,6 +37,30 @@ def committed_jobs() -> list[tuple[str, str]]:
         return other.execute("SELECT task, state FROM pgbroker.jobs").fetchall()
 
 
+def assert_rollback_leaves_nothing(case: TestCase, publish: Callable[[int], Any],
+                                   task: Any) -> None:
+    """``publish(order id)`` inside an ``atomic()`` that rolls back: its job is in the
+    transaction, and gone with it."""
+    with case.assertRaises(Abort), transaction.atomic():
+        publish(Order.objects.create(item="ghost").pk)
+        testing.assert_enqueued(connection, task, count=1, app=app)
+        raise Abort
+    testing.refute_enqueued(connection, app=app)
+
+
+@contextlib.contextmanager
+def worker_on_test_database() -> Iterator[WorkerProcess]:
+    """A real worker of the project, on the test database, stopped when the block ends."""
+    db = connection.settings_dict
+    url = f"pgbroker+postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    worker = run_worker("tests.django_project.celery", url,
+                        env={"DJANGO_SETTINGS_MODULE": "tests.django_project.settings_atomic"})
+    try:
+        yield worker.wait_ready(60)
+    finally:
+        worker.stop()
+
+
 class JoinAtomicTestCase(TestCase):
     def test_delay_is_written_in_the_tests_transaction(self) -> None:
         order = Order.objects.create(item="book")
@@ -41,11 +69,7 @@ class JoinAtomicTestCase(TestCase):
         self.assertEqual(committed_jobs(), [])
 
     def test_a_rolled_back_atomic_enqueues_nothing(self) -> None:
-        with self.assertRaises(Abort), transaction.atomic():
-            confirm_order.delay(Order.objects.create(item="lamp").pk)
-            testing.assert_enqueued(connection, confirm_order, count=1, app=app)
-            raise Abort
-        testing.refute_enqueued(connection, app=app)
+        assert_rollback_leaves_nothing(self, confirm_order.delay, confirm_order)
 
     def test_a_rolled_back_savepoint_drops_only_its_job(self) -> None:
         with transaction.atomic():
@@ -82,16 +106,9 @@ class JoinAtomicWorkerTests(TransactionTestCase):
             self.assertEqual(committed_jobs(), [])  # not before the commit
         self.assertEqual(committed_jobs(), [(confirm_order.name, "pending")])
 
-        db = connection.settings_dict  # the test database
-        url = f"pgbroker+postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-        worker = run_worker("tests.django_project.celery", url,
-                            env={"DJANGO_SETTINGS_MODULE": "tests.django_project.settings_atomic"})
-        try:
-            worker.wait_ready(60)
+        with worker_on_test_database():
             wait_for(lambda: committed_jobs() == [(confirm_order.name, "completed")], 60,
                      message=lambda: f"the job completed (jobs: {committed_jobs()})")
-        finally:
-            worker.stop()
         self.assertTrue(Order.objects.get(pk=order.pk).confirmed)
 
     def test_outside_atomic_nothing_changes(self) -> None:
