@@ -56,11 +56,19 @@ def split(jobs: list[Sequence[Any]], app: Any) -> tuple[Eager, list[Sequence[Any
     """``enqueue_many``'s items: the ones to run eagerly (by index: task, args, kwargs,
     headers), and the others, to write."""
     eager: Eager = {}
+    on: dict[int, bool] = {}  # per app: a batch of thousands asks its app's setting once
     for index, item in enumerate(jobs):
         task, args, kwargs, options = unpack(index, item)
-        found = eager_task(app, task)
-        if found is not None:
-            eager[index] = (found, args, kwargs, options.get("headers"))
+        item_app = app_of(app, task)
+        flag = on.get(id(item_app))
+        if flag is None:
+            flag = on[id(item_app)] = bool(item_app.conf.task_always_eager)
+        if flag:
+            found = eager_task(item_app, task)
+            if found is not None:
+                eager[index] = (found, args, kwargs, options.get("headers"))
+    if not eager:
+        return eager, jobs
     return eager, [item for index, item in enumerate(jobs) if index not in eager]
 
 
