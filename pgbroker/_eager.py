@@ -1,4 +1,5 @@
-"""Celery's eager mode for :func:`pgbroker.enqueue` and ``enqueue_many``: run, do not write.
+"""Celery's eager mode for :func:`pgbroker.enqueue`, ``enqueue_many`` and their asyncio forms:
+run, do not write.
 
 Under ``task_always_eager`` Celery runs ``.delay()`` and ``.apply_async()`` in the caller, at
 once, and writes nothing (``Task.apply``). :func:`pgbroker.enqueue` does the same for a task
@@ -15,7 +16,7 @@ key, dedupe or concurrency key, no ``countdown``/``eta``/``expires``, no queue, 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery.utils import uuid as task_uuid
@@ -23,7 +24,7 @@ from celery.utils import uuid as task_uuid
 from ._broker import find
 from ._build import app_of, unpack
 
-__all__ = ["checked", "eager_task", "run", "run_many", "split"]
+__all__ = ["checked", "eager_task", "prepare", "run", "run_many", "split"]
 
 
 def eager_task(app: Any, task: Any) -> Any | None:
@@ -70,6 +71,18 @@ def split(jobs: list[Sequence[Any]], app: Any) -> tuple[Eager, list[Sequence[Any
     if not eager:
         return eager, jobs
     return eager, [item for index, item in enumerate(jobs) if index not in eager]
+
+
+def prepare(jobs: Iterable[Sequence[Any]], app: Any,
+            check: Callable[[list[Sequence[Any]]], object],
+            ) -> tuple[int, Eager, list[Sequence[Any]]]:
+    """``enqueue_many``'s first step: how many items, the eager ones (checked with ``check``,
+    which builds their messages, when the broker is pgbroker's), and the ones to write."""
+    everything = list(jobs)
+    eager, rest = split(everything, app)
+    if eager:
+        checked(app, eager[min(eager)][0], lambda: check([everything[i] for i in eager]))
+    return len(everything), eager, rest
 
 
 def run_many(count: int, eager: Eager, written: list[uuid.UUID]) -> list[uuid.UUID]:

@@ -72,11 +72,12 @@ async def aenqueue_many(db: Any, jobs: Iterable[Sequence[Any]], *, app: Any = No
     options)``, all checked before anything is written; the ids in input order (a duplicate's:
     the existing job's); inside a transaction the batches are pipelined.
     """
+    # task_always_eager: those run now, after the others are written (pgbroker._eager)
+    count, eager, jobs = _eager.prepare(jobs, app, lambda items: jobs_for(items, app, batch_size))
     built, json_of = jobs_for(jobs, app, batch_size)
-    if not built:
-        return []
-    conn = await aconnector_for(db).connection()
-    return await _write.awrite(conn, built, batch_size, json_of)
+    written = await _write.awrite(await aconnector_for(db).connection(), built, batch_size,
+                                  json_of) if built else []
+    return _eager.run_many(count, eager, written) if eager else written
 
 
 @contextlib.asynccontextmanager

@@ -122,15 +122,12 @@ def enqueue_many(db: Db, jobs: Iterable[Sequence[Any]], *, app: Any = None,
     batch's are made from the first of their kind (see :class:`pgbroker._build.Templates`),
     which is much faster.
     """
-    everything = list(jobs)
-    eager, jobs = _eager.split(everything, app)
-    if eager:  # task_always_eager: those run now, after the others are written (pgbroker._eager)
-        _eager.checked(app, eager[min(eager)][0],
-                       lambda: jobs_for([everything[i] for i in eager], app, batch_size))
+    # task_always_eager: those run now, after the others are written (pgbroker._eager)
+    count, eager, jobs = _eager.prepare(jobs, app, lambda items: jobs_for(items, app, batch_size))
     built, json_of = jobs_for(jobs, app, batch_size)
     written = _write.write(connector_for(db).connection(), built, batch_size, json_of) if built \
         else []
-    return _eager.run_many(len(everything), eager, written) if eager else written
+    return _eager.run_many(count, eager, written) if eager else written
 
 
 @contextlib.contextmanager

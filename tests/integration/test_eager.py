@@ -1,6 +1,7 @@
 """Celery's eager mode (``task_always_eager``, how many test suites run Celery) for pgbroker's
-own enqueue: ``pgbroker.enqueue``, ``enqueue_many`` and ``aenqueue`` run the task at once, in
-the caller, as ``.delay()`` does, and write nothing -- but the message is still checked."""
+own enqueue: ``pgbroker.enqueue``, ``enqueue_many``, ``aenqueue`` and ``aenqueue_many`` run the
+task at once, in the caller, as ``.delay()`` does, and write nothing -- but the message is still
+checked."""
 
 from __future__ import annotations
 
@@ -97,10 +98,11 @@ def test_exceptions_propagate_as_celery_says(eager: Celery, pg: psycopg.Connecti
         pgbroker.enqueue(pg, "eager.fail", app=eager)
 
 
-def test_aenqueue_runs_the_task_now(eager: Celery, pg: psycopg.Connection, db_url: str) -> None:
-    async def main() -> uuid.UUID:
+def test_aenqueue_and_aenqueue_many_run_the_task_now(eager: Celery, pg: psycopg.Connection, db_url: str) -> None:
+    async def main() -> list[uuid.UUID]:
         async with await psycopg.AsyncConnection.connect(db_url) as conn:
-            return await pgbroker.aenqueue(conn, "eager.add", (7, 8), app=eager)
+            one = await pgbroker.aenqueue(conn, "eager.add", (7, 8), app=eager)
+            return [one, *await pgbroker.aenqueue_many(conn, [("eager.add", (9, 9))], app=eager)]
 
-    assert isinstance(asyncio.run(main()), uuid.UUID)
-    assert ran == [("add", (7, 8))] and _jobs(pg) == 0
+    assert len(set(asyncio.run(main()))) == 2
+    assert ran == [("add", (7, 8)), ("add", (9, 9))] and _jobs(pg) == 0
