@@ -17,6 +17,9 @@ Limits, stated honestly:
 * A publish in a connection that reaches another database than the broker's (see
   :func:`pgbroker.contrib.django.conf.same_database`) is not joined: it goes to the broker's own
   connection as before, with a warning once per pair (system check ``pgbroker.W002``).
+* A task's ``self.retry()`` called inside ``atomic()`` is a publish like any other: if the
+  ``Retry`` exception then rolls the block back, the retry message goes with it and the task
+  is not run again. Call ``retry`` outside the block (``autoretry_for`` does).
 * Django's ``TestCase`` wraps each test in ``atomic()``: its publishes join the test's
   transaction and vanish with it; no worker can see them (``pgbroker.testing`` runs them).
 """

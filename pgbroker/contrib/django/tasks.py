@@ -28,7 +28,9 @@ from .conf import TASK_NAME
 __all__ = ["TASK_NAME", "Backend", "run_django_task"]
 
 
-@shared_task(name=TASK_NAME, acks_late=True)
+# acks late, and back to the queue when the worker is lost: at least once, as a Django task
+# backend with crash recovery promises (a task may run again if its worker died under it)
+@shared_task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
 def run_django_task(module_path: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """Run the Django task at ``module_path`` (its module-level function) with its arguments;
     its return value (JSON-normalised) is the result ``get_result`` reads."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+
+from django.db import connection
 from django_tasks import task
 
 from .models import Order
@@ -19,3 +23,13 @@ def confirm(order_id: int) -> int:
 @task(priority=50, queue_name="urgent")
 def urgent(word: str) -> str:
     return word.upper()
+
+
+@task()
+def record(n: int, pause: float = 0.0) -> int:
+    """The soak's task (tests/chaos/test_django_tasks_kills.py): a row per run, in
+    ``public.soak_runs``, so duplicates are counted with SQL."""
+    time.sleep(pause)
+    with connection.cursor() as cursor:
+        cursor.execute("INSERT INTO public.soak_runs (n, pid) VALUES (%s, %s)", (n, os.getpid()))
+    return n
