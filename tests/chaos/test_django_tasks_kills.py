@@ -49,6 +49,7 @@ def _counts(pg: psycopg.Connection) -> tuple[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_django_tasks_survive_a_worker_sigkilled_every_20_to_45_s(empty_url: str) -> None:
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": SETTINGS, "PGBROKER_DATABASE_URL": empty_url,
            "PYTHONPATH": str(REPO_ROOT)}

@@ -26,6 +26,12 @@ def urgent(word: str) -> str:
 
 
 @task()
+def noop(n: int) -> int:
+    """The benchmark's task (tests/bench/django_tasks_bench.py): nothing but its own cost."""
+    return n
+
+
+@task()
 def record(n: int, pause: float = 0.0) -> int:
     """The soak's task (tests/chaos/test_django_tasks_kills.py): a row per run, in
     ``public.soak_runs``, so duplicates are counted with SQL."""
