@@ -56,12 +56,18 @@ _ONE_ROLE = frozenset({"read-write", "primary"})
 
 
 def libpq_url(url: str) -> str:
-    """Turn a ``pgbroker://`` or ``pgbroker+postgresql://`` URL into a libpq URL."""
+    """Turn a ``pgbroker://`` or ``pgbroker+postgresql://`` URL into a libpq URL (and
+    ``pgbroker+django://ALIAS`` into the conninfo of Django's database ``ALIAS``)."""
     if not isinstance(url, str) or not url:
         raise ConfigurationError("the broker URL is empty")
     scheme, sep, rest = url.partition("://")
     if sep and scheme.lower() in _SCHEMES:
         return "postgresql://" + rest
+    if sep and scheme.lower() in ("pgbroker+django", "django"):  # Django's database ALIAS
+        # Django is optional: its settings are read only for a URL that names them
+        from .contrib.django_connector import alias_conninfo
+
+        return alias_conninfo(rest.strip("/") or "default")
     if sep and scheme.lower() in ("postgresql", "postgres"):
         return url
     if "://" not in url:  # a libpq key=value conninfo string
@@ -128,6 +134,8 @@ def kombu_conninfo(client: Any) -> str:
     as libpq reads it, a key=value string as given, else the fields kombu parsed from a
     ``pgbroker://`` URL (or got as arguments)."""
     hostname = client.hostname
+    if hostname and hostname.startswith("django://"):  # pgbroker+django://ALIAS
+        return libpq_url(hostname)
     if hostname and "://" in hostname:  # pgbroker+postgresql://...: a libpq URL
         # Keep the password out of the URL kombu shows (inspect stats prints the hostname,
         # as_uri formats it): it moves to kombu's password field, which Celery never

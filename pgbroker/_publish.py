@@ -42,8 +42,8 @@ class Publisher:
     def put(self, queue: str, message: dict[str, Any]) -> None:
         """A job in ``queue``."""
         job = self.job(queue, message)
-        target = current_target()
-        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
+        target = current_target(self.store.conninfo)
+        if target is not None:  # inside pgbroker.transaction(db) (or atomic()): the caller's transaction
             target.add(job, self.settings)
         else:
             self.store.insert(job)
@@ -51,8 +51,8 @@ class Publisher:
     def dead_letter(self, message: dict[str, Any], reason: str) -> None:
         """Keep an unroutable message as a dead letter of :data:`UNROUTABLE` that says why."""
         job = dataclasses.replace(self.job(UNROUTABLE, message), idempotency_key=None)
-        target = current_target()
-        if target is not None:  # inside pgbroker.transaction(db): the caller's transaction
+        target = current_target(self.store.conninfo)
+        if target is not None:  # inside pgbroker.transaction(db) (or atomic()): the caller's transaction
             target.add_dead(job, self.settings, reason)
         else:
             self.store.insert_dead(job, reason)
@@ -69,7 +69,7 @@ class Publisher:
         if revoke is not None:
             _revoke.apply(self.store, revoke, job, via="celery revoke")
             return
-        target = current_target()
+        target = current_target(self.store.conninfo)
         if target is None:
             self.store.fanout(job)  # one statement
             return

@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from psycopg.pq import TransactionStatus
 
@@ -29,7 +29,8 @@ from ._connector import AsyncConnector, Connector, aconnector_for, connector_for
 from ._jobs import NewJob
 from .settings import Settings
 
-__all__ = ["Target", "ajoined", "current_target", "joined"]
+__all__ = ["Sink", "Target", "add_ambient", "ajoined", "current_target", "joined",
+           "remove_ambient"]
 
 logger = logging.getLogger("pgbroker.enqueue")  # transaction()'s messages, as they always were
 
@@ -138,11 +139,42 @@ _target: contextvars.ContextVar[Target | None] = contextvars.ContextVar(
     "pgbroker_transaction", default=None)
 
 
-def current_target() -> Target | None:
+class Sink(Protocol):
+    """Where a publish is written instead of the broker's own connection (a :class:`Target`)."""
+
+    def add(self, job: NewJob, settings: Settings) -> None: ...
+
+    def add_dead(self, job: NewJob, settings: Settings, error: str) -> None: ...
+
+
+#: Where a publish goes outside any ``transaction()`` block when an integration says so:
+#: callables given the broker's conninfo that return a sink, or None. pgbroker's Django app adds
+#: one when the project opts in to joining ``atomic()`` (:mod:`pgbroker.contrib.django.atomic`).
+_ambient: list[Callable[[str], Sink | None]] = []
+
+
+def add_ambient(provider: Callable[[str], Sink | None]) -> None:
+    """Ask ``provider`` where each publish outside a ``transaction()`` block goes."""
+    if provider not in _ambient:
+        _ambient.append(provider)
+
+
+def remove_ambient(provider: Callable[[str], Sink | None]) -> None:
+    if provider in _ambient:
+        _ambient.remove(provider)
+
+
+def current_target(conninfo: str | None = None) -> Sink | None:
     """Where the transport's ``Channel._put`` must write: the innermost open
-    ``pgbroker.transaction`` or ``atransaction`` of this context, or None (the broker's own
-    connection)."""
-    return _target.get()
+    ``pgbroker.transaction`` or ``atransaction`` of this context, else what an ambient provider
+    says for the broker at ``conninfo``, else None (the broker's own connection)."""
+    target: Sink | None = _target.get()
+    if target is None and conninfo is not None:
+        for provider in _ambient:
+            target = provider(conninfo)
+            if target is not None:
+                break
+    return target
 
 
 def joined(db: Any) -> contextlib.AbstractContextManager[None]:

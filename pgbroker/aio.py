@@ -39,7 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from . import _target, _write
+from . import _eager, _target, _write
 from ._connector import aconnector_for
 from .enqueue import BATCH_SIZE, job_for, jobs_for
 
@@ -56,6 +56,10 @@ async def aenqueue(db: Any, task: Any, args: Sequence[Any] = (),
     ``priority``, ``max_attempts``, ``headers``; an unknown one is a TypeError), the same
     message, the same errors. Never commits.
     """
+    eager = _eager.eager_task(app, task)
+    if eager is not None:  # task_always_eager: run it now, as .delay() does (pgbroker._eager)
+        _eager.checked(app, task, lambda: job_for(app, task, args, kwargs, options))
+        return _eager.run(eager, args, kwargs, options.get("headers"))
     settings, job = job_for(app, task, args, kwargs, options)
     return await _write.ainsert(await aconnector_for(db).connection(), settings, job)
 
@@ -68,11 +72,12 @@ async def aenqueue_many(db: Any, jobs: Iterable[Sequence[Any]], *, app: Any = No
     options)``, all checked before anything is written; the ids in input order (a duplicate's:
     the existing job's); inside a transaction the batches are pipelined.
     """
+    # task_always_eager: those run now, after the others are written (pgbroker._eager)
+    count, eager, jobs = _eager.prepare(jobs, app, lambda items: jobs_for(items, app, batch_size))
     built, json_of = jobs_for(jobs, app, batch_size)
-    if not built:
-        return []
-    conn = await aconnector_for(db).connection()
-    return await _write.awrite(conn, built, batch_size, json_of)
+    written = await _write.awrite(await aconnector_for(db).connection(), built, batch_size,
+                                  json_of) if built else []
+    return _eager.run_many(count, eager, written) if eager else written
 
 
 @contextlib.asynccontextmanager

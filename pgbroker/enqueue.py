@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
-from . import _target, _write
+from . import _eager, _target, _write
 from ._broker import settings_of
 from ._build import OPTIONS, Planned, Templates, app_of, build, unpack
 from ._connector import connector_for
@@ -65,6 +65,9 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
             concurrency_key: str | None = None, concurrency_limit: int | None = None,
             app: Any = None) -> uuid.UUID:
     """Write one Celery task message in ``db``'s current transaction; return the job's id.
+
+    Under ``task_always_eager`` a task the app knows runs now instead, as ``.delay()`` runs it,
+    and its task id is returned (:mod:`pgbroker._eager`).
 
     Args:
         db: a SQLAlchemy ``Session`` or ``Connection`` (``postgresql+psycopg://``) or a psycopg 3
@@ -91,11 +94,16 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         ConfigurationError: the app does not use a pgbroker broker.
         SchemaError: the database of ``db`` has no pgbroker schema.
     """
-    settings, job = job_for(app, task, args, kwargs, {
+    options = {
         "queue": queue, "idempotency_key": idempotency_key, "countdown": countdown, "eta": eta,
         "expires": expires, "priority": priority, "max_attempts": max_attempts,
         "headers": headers, "dedupe_key": dedupe_key, "dedupe_active": dedupe_active,
-        "concurrency_key": concurrency_key, "concurrency_limit": concurrency_limit})
+        "concurrency_key": concurrency_key, "concurrency_limit": concurrency_limit}
+    eager = _eager.eager_task(app, task)
+    if eager is not None:  # task_always_eager: run it now, as .delay() does (pgbroker._eager)
+        _eager.checked(app, task, lambda: job_for(app, task, args, kwargs, options))
+        return _eager.run(eager, args, kwargs, headers)
+    settings, job = job_for(app, task, args, kwargs, options)
     return _write.insert(connector_for(db).connection(), settings, job)
 
 
@@ -114,10 +122,12 @@ def enqueue_many(db: Db, jobs: Iterable[Sequence[Any]], *, app: Any = None,
     batch's are made from the first of their kind (see :class:`pgbroker._build.Templates`),
     which is much faster.
     """
+    # task_always_eager: those run now, after the others are written (pgbroker._eager)
+    count, eager, jobs = _eager.prepare(jobs, app, lambda items: jobs_for(items, app, batch_size))
     built, json_of = jobs_for(jobs, app, batch_size)
-    if not built:
-        return []
-    return _write.write(connector_for(db).connection(), built, batch_size, json_of)
+    written = _write.write(connector_for(db).connection(), built, batch_size, json_of) if built \
+        else []
+    return _eager.run_many(count, eager, written) if eager else written
 
 
 @contextlib.contextmanager

@@ -22,8 +22,8 @@ from . import _db
 from .errors import SchemaError
 from .settings import Settings
 
-__all__ = ["migrate", "migrate_once", "connect_ready", "check", "apply", "load", "Migration",
-           "MIGRATIONS", "latest_version", "LOCK_TIMEOUT"]
+__all__ = ["migrate", "migrate_once", "connect_ready", "check", "apply", "apply_on", "load",
+           "Migration", "MIGRATIONS", "latest_version", "LOCK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,28 +133,35 @@ def apply(conninfo: str, schema: str, migrations: tuple[Migration, ...],
                 if all(m.version in done for m in migrations):
                     return []
         with _db.translate_errors(f"migrating the {what} schema"), conn.transaction():
-            _take_lock(conn, schema, lock_timeout, what)
-            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {ident}")
-            conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {ident}.migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            done = {row[0] for row in conn.execute(f"SELECT version FROM {ident}.migrations")}
-            _refuse_newer(done, schema, migrations[-1].version, what)
-            applied = []
-            for m in migrations:
-                if m.version in done:
-                    continue
-                logger.info("applying %s migration %04d_%s to schema %s",
-                            what, m.version, m.name, schema)
-                conn.execute(m.sql.replace("{schema}", ident).encode())
-                conn.execute(f"INSERT INTO {ident}.migrations (version, name) VALUES (%s, %s)",
-                             (m.version, m.name))
-                applied.append(m.version)
-            return applied
+            return apply_on(conn, schema, migrations, what, lock_timeout)
     finally:
         _db.close(conn)
+
+
+def apply_on(conn: psycopg.Connection[Any], schema: str, migrations: tuple[Migration, ...],
+             what: str = "pgbroker", lock_timeout: float = LOCK_TIMEOUT) -> list[int]:
+    """:func:`apply` in the transaction open on ``conn`` (the caller commits): Django's
+    ``migrate`` runs pgbroker's migrations this way, in the transaction of its own migration."""
+    ident = f'"{schema}"'
+    _take_lock(conn, schema, lock_timeout, what)
+    conn.execute(f"CREATE SCHEMA IF NOT EXISTS {ident}")
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {ident}.migrations ("
+        " version integer PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    done = {row[0] for row in conn.execute(f"SELECT version FROM {ident}.migrations")}
+    _refuse_newer(done, schema, migrations[-1].version, what)
+    applied = []
+    for m in migrations:
+        if m.version in done:
+            continue
+        logger.info("applying %s migration %04d_%s to schema %s", what, m.version, m.name, schema)
+        conn.execute(m.sql.replace("{schema}", ident).encode())
+        conn.execute(f"INSERT INTO {ident}.migrations (version, name) VALUES (%s, %s)",
+                     (m.version, m.name))
+        applied.append(m.version)
+    return applied
 
 
 def _take_lock(conn: psycopg.Connection[Any], schema: str, timeout: float, what: str) -> None:

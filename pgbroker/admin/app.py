@@ -34,15 +34,17 @@ def create_app(database_url: str, schema: str = "pgbroker", credentials: Credent
                *, refresh: float = 3.0, window: float | None = None,
                lease_timeout: float | None = None, secret_key: str | bytes | None = None,
                pool_size: int = 4, secure_cookie: bool | None = None,
-               throttle: LoginThrottle | None = None) -> Flask:
+               throttle: LoginThrottle | None = None, trust_environ: bool = False) -> Flask:
     """The admin app for ``schema`` in ``database_url``; checks the schema first.
 
     ``secure_cookie``: send the session cookie over HTTPS only (default:
-    ``PGBROKER_ADMIN_SECURE_COOKIE``). Call ``app.extensions["pgbroker"].close()`` when done
-    (``serve`` does).
+    ``PGBROKER_ADMIN_SECURE_COOKIE``). ``trust_environ``: the app is mounted in a server that
+    logs people in itself and says who in the WSGI environ (:data:`.guards.TRUSTED_LOGIN`;
+    pgbroker's Django app does), so it needs no credentials of its own. Call
+    ``app.extensions["pgbroker"].close()`` when done (``serve`` does).
     """
     credentials = credentials or Credentials.from_env()
-    if not credentials.configured:
+    if not credentials.configured and not trust_environ:
         raise ValueError("the admin page needs credentials (see pgbroker.admin.auth)")
     Settings(schema=schema)  # validates the name
     conninfo = _db.libpq_url(database_url)
@@ -77,6 +79,7 @@ def create_app(database_url: str, schema: str = "pgbroker", credentials: Credent
     state = AdminState(pool, schema, credentials, reader, refresh, None,
                        throttle or LoginThrottle(), q, reader.lease_timeout)
     state.registry = prometheus_registry(state.snapshot)
+    state.trust_environ = trust_environ
     app.extensions["pgbroker"] = state
     guards.install(app)
     install_filters(app)

@@ -15,7 +15,11 @@ from ..errors import DatabaseUnavailable
 from .auth import Login, Throttled, find_session, new_csrf_token, same_secret
 from .state import AdminState, admin_state
 
-__all__ = ["install"]
+__all__ = ["TRUSTED_LOGIN", "install"]
+
+#: The WSGI environ key of a login made by the server the app is mounted in: a (Login, CSRF
+#: token) pair, trusted only by an app made with ``create_app(..., trust_environ=True)``.
+TRUSTED_LOGIN = "pgbroker.admin.login"
 
 logger = logging.getLogger("pgbroker.admin.app")  # the name its lines have always had
 
@@ -59,7 +63,10 @@ def install(app: Flask) -> None:
         endpoint = request.endpoint
         g.login, g.csrf = None, None
         sid = session.get("sid")
-        if endpoint not in _PUBLIC and sid:
+        trusted = request.environ.get(TRUSTED_LOGIN) if state.trust_environ else None
+        if trusted is not None:  # the embedding server logged them in (contrib.django.operator)
+            g.login, g.csrf = trusted
+        elif endpoint not in _PUBLIC and sid:
             with state.connection() as conn:
                 found = find_session(conn, state.q, sid)
             if found is not None:

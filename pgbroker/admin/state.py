@@ -39,6 +39,8 @@ class AdminState:
     q: Queries
     #: for a consumer row of an older pgbroker, which holds no lease of its own
     lease_timeout: float
+    #: logins come from the server the app is mounted in (create_app's trust_environ)
+    trust_environ: bool = False
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -106,4 +108,6 @@ def local_target(target: str | None, default: str) -> str:
 
 
 def back(default: str = "/") -> Response:
-    return redirect(local_target(request.form.get("next"), default), code=303)
+    # script_root: the app mounted under a prefix (pgbroker.contrib.django.operator)
+    return redirect(request.script_root + local_target(request.form.get("next"), default),
+                    code=303)

@@ -1,3 +1,3 @@
 """Integrations with other libraries: the connectors for their connections
 (``sqlalchemy_connector``, ``django_connector``: see :mod:`pgbroker._connector`), imported only
-for a connection of theirs, and Django's user API (``django``)."""
+for a connection of theirs, and Django's app and user API (``django``: ``INSTALLED_APPS``)."""

@@ -3,7 +3,8 @@
 Django (4.2 and later, with psycopg 3 installed) runs on a psycopg 3 connection,
 ``connection.connection``: :func:`driver_connection` returns it, and pgbroker writes on it in
 whatever transaction Django has open. Django has no commit hook pgbroker uses: as with a raw
-psycopg connection, :func:`pgbroker.transaction` writes when its block is left. See
+psycopg connection, :func:`pgbroker.transaction` writes when its block is left.
+:func:`alias_conninfo` is the database a ``pgbroker+django://ALIAS`` broker URL names. See
 :mod:`pgbroker._connector` for the connectors' shape; :mod:`pgbroker.contrib.django` is the
 user-facing API.
 """
@@ -15,8 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
-__all__ = ["DjangoConnector", "driver_connection"]
+__all__ = ["DjangoConnector", "alias_conninfo", "conninfo_of", "driver_connection"]
 
 
 class DjangoConnector:
@@ -66,3 +68,22 @@ def driver_connection(db: Any) -> psycopg.Connection[Any]:
             f"{type(raw).__module__}: install psycopg 3 (`pip install psycopg`), which Django "
             "4.2 and later prefer to psycopg2")
     return raw
+
+
+def conninfo_of(db: Any) -> str:
+    """A libpq conninfo for Django database connection ``db`` (its ``settings_dict`` as Django
+    connects with it: under ``manage.py test``, the test database)."""
+    params = db.get_connection_params()
+    return make_conninfo(**{key: str(params[key]) for key in
+                            ("dbname", "user", "password", "host", "port") if params.get(key)})
+
+
+def alias_conninfo(alias: str) -> str:
+    """The conninfo of Django database ``alias``: what ``pgbroker+django://ALIAS`` names."""
+    # Django is optional: imported only for a broker URL that names a Django database
+    from django.db import connections
+
+    if alias not in connections:
+        raise TypeError(f"pgbroker+django://{alias}: Django has no database {alias!r} "
+                        f"(DATABASES names {', '.join(map(repr, connections))})")
+    return conninfo_of(connections[alias])

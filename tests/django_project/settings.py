@@ -15,7 +15,14 @@ _DB = conninfo_to_dict(normalize_url(_URL))
 SECRET_KEY = "pgbroker-tests-only"
 DEBUG = False
 USE_TZ = True
-INSTALLED_APPS = ["tests.django_project.shop"]
+INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "django.contrib.sessions",
+                  "pgbroker.contrib.django", "tests.django_project.shop"]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+]
+ROOT_URLCONF = "tests.django_project.urls"  # pgbroker's operator page, behind Django's login
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DATABASES = {
     "default": {
@@ -36,3 +43,11 @@ CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Django's task framework (the django-tasks backport on Django 5) on pgbroker
+TASKS = {"default": {"BACKEND": "pgbroker.contrib.django.tasks.Backend",
+                     "QUEUES": ["default", "urgent"]}}
+# ends the broker's sessions on the test database before Django drops it (manage.py test)
+TEST_RUNNER = "pgbroker.contrib.django.testing.DiscoverRunner"
+
+if os.environ.get("PGBROKER_TEST_NO_BROKER"):  # a project whose Celery broker is not set
+    del CELERY_BROKER_URL, CELERY_RESULT_BACKEND

@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 import pgbroker
-from tests.integration.test_django import Abort, client, django_db  # noqa: F401 - fixtures
+from tests.integration.test_django import Abort, client  # noqa: F401 - fixtures
 from tests.support.db import add_job
 
 

@@ -1,8 +1,8 @@
 """Django: jobs enqueued on Django's own connection, inside ``transaction.atomic()``.
 
-The project is ``tests/django_project`` (settings, a Celery app, the app ``shop``). Django is
-configured once per test session from its settings module, and its ``default`` connection is
-pointed at each test's fresh database. The worker is ``celery -A tests.django_project.celery``,
+The project is ``tests/django_project`` (settings, a Celery app, the app ``shop``); the
+``django_db`` fixture (``tests/support/fixtures.py``) points its ``default`` connection at each
+test's fresh database. The worker is ``celery -A tests.django_project.celery``,
 a real Django + Celery worker whose task reads the order through the ORM: it succeeds only if the
 order's transaction committed before the job could run.
 """
@@ -12,11 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import django
 import psycopg
 import pytest
 from celery import Celery
-from psycopg.conninfo import conninfo_to_dict
 
 import pgbroker
 from pgbroker.contrib import django as pgdjango
@@ -28,38 +26,6 @@ CONFIRM = "tests.django_project.shop.tasks.confirm_order"
 
 class Abort(Exception):
     """Raised inside atomic() to roll it back."""
-
-
-def _setup_django() -> None:
-    """Configure Django from the project's settings module (no DJANGO_SETTINGS_MODULE in this
-    process's environment, which every worker started later by other tests would inherit)."""
-    from django.conf import settings
-
-    if not settings.configured:
-        from tests.django_project import settings as project
-
-        settings.configure(**{k: getattr(project, k) for k in dir(project) if k.isupper()})
-        django.setup()
-
-
-@pytest.fixture
-def django_db(db_url: str) -> Iterator[Any]:
-    """Django's ``default`` connection on this test's database, with the shop's tables."""
-    _setup_django()
-    from django.core.management import call_command
-    from django.db import connections
-
-    conn = connections["default"]
-    conn.close()
-    params = conninfo_to_dict(db_url)
-    conn.settings_dict.update(NAME=params["dbname"], USER=params.get("user", ""),
-                              PASSWORD=params.get("password", ""),
-                              HOST=params.get("host", ""), PORT=str(params.get("port", "")))
-    call_command("migrate", "shop", verbosity=0)
-    try:
-        yield conn
-    finally:
-        conn.close()
 
 
 @pytest.fixture

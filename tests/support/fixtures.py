@@ -5,6 +5,8 @@
   database, and its ``public.runs`` table: the e2e, chaos and some integration tests.
 * ``tf_url``, ``session``, ``event`` -- the ticketflow example on this test's database: its
   integration and e2e tests.
+* ``django_db`` -- the Django test project (``tests/django_project``) configured in this
+  process, its ``default`` connection on this test's database: the Django tests.
 
 The Celery apps are imported by the fixtures that use them, not here: importing a Celery app
 makes it Celery's current app, which a test that never asked for it must not see.
@@ -13,11 +15,12 @@ makes it Celery's current app, which a test that never asked for it must not see
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
 from celery import Celery, current_app
+from psycopg.conninfo import conninfo_to_dict
 
 from tests.support.producers import drop_pools, point_producer
 
@@ -87,3 +90,39 @@ def event(session: Session) -> int:
     from ticketflow import services  # see the module docstring: the current app
 
     return services.create_event(session, "Test concert", 20).id
+
+
+def _setup_django() -> None:
+    """Configure Django from the test project's settings module (no DJANGO_SETTINGS_MODULE in
+    this process's environment, which every worker started later by other tests would
+    inherit)."""
+    # Django: only the Django tests configure it
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        from tests.django_project import settings as project
+
+        settings.configure(**{k: getattr(project, k) for k in dir(project) if k.isupper()})
+        django.setup()
+
+
+@pytest.fixture
+def django_db(db_url: str) -> Iterator[Any]:
+    """Django's ``default`` connection on this test's database, with the shop's tables."""
+    _setup_django()
+    # Django: only the Django tests configure it
+    from django.core.management import call_command
+    from django.db import connections
+
+    conn = connections["default"]
+    conn.close()
+    params = conninfo_to_dict(db_url)
+    conn.settings_dict.update(NAME=params["dbname"], USER=params.get("user", ""),
+                              PASSWORD=params.get("password", ""),
+                              HOST=params.get("host", ""), PORT=str(params.get("port", "")))
+    call_command("migrate", "shop", verbosity=0)
+    try:
+        yield conn
+    finally:
+        conn.close()

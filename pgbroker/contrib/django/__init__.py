@@ -1,4 +1,9 @@
-"""Django: enqueue jobs in the transaction of Django's own database connection.
+"""Django: pgbroker's Django app, and jobs enqueued in the transaction of Django's connection.
+
+``"pgbroker.contrib.django"`` in ``INSTALLED_APPS`` (:mod:`.apps`) gives the schema by
+``manage.py migrate``, ``manage.py pgbroker ...``, system checks, and with
+``PGBROKER_JOIN_ATOMIC = True`` a plain ``.delay()`` inside ``atomic()`` written in Django's
+transaction (docs/django.md). This module is the explicit API, app or not.
 
 Inside ``transaction.atomic()``, a job written through Django's connection exists exactly when
 Django commits, and vanishes with a rollback::
@@ -30,10 +35,10 @@ from typing import Any
 
 import psycopg
 
-from ..enqueue import enqueue as _enqueue
-from ..enqueue import enqueue_many as _enqueue_many
-from ..enqueue import transaction as _transaction
-from .django_connector import driver_connection
+from ...enqueue import enqueue as _enqueue
+from ...enqueue import enqueue_many as _enqueue_many
+from ...enqueue import transaction as _transaction
+from ..django_connector import driver_connection
 
 __all__ = ["connection", "driver_connection", "enqueue", "enqueue_many", "transaction"]
 

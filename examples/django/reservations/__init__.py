@@ -1,0 +1,1 @@
+"""Reservations that expire, are confirmed with an e-mail, and are paid for."""

@@ -1,0 +1,1 @@
+"""The management commands of pgbroker's Django app (``manage.py pgbroker ...``)."""

@@ -1,0 +1,1 @@
+"""``manage.py pgbroker``: see :mod:`.pgbroker`."""

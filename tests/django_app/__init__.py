@@ -1,0 +1,1 @@
+"""pgbroker's Django app: migrations, ``manage.py pgbroker``, system checks, ``atomic()``."""
