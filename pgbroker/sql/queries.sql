@@ -347,14 +347,22 @@ WHERE state IN ('running', 'dead');
 -- delivery is returned as not done, and the consumer tries it again later; the others are acked
 -- now. (The claim folds acks into one statement without this; see Store.claim.)
 WITH due AS MATERIALIZED (
-    -- the deliveries still to ack, read without locking (a locked row is read as committed)
-    SELECT j.id, j.attempts FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-      ON j.id = d.id AND j.attempts = d.attempt
-    WHERE j.state = 'running'
+    -- the deliveries still to ack, read without locking (a locked row is read as committed): a
+    -- primary-key probe each (LIMIT 1 keeps it one, the state tested outside it). Planned as a
+    -- join with the state inside, this walked jobs_running_idx whole, the dead entries a held
+    -- snapshot keeps there included: 7 ms and 10,769 blocks an ack after 5 minutes of one at
+    -- 250 jobs/s (docs/benchmarks.md, issue 26)
+    SELECT j.id, j.attempts
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    CROSS JOIN LATERAL (SELECT r.id, r.attempts, r.state FROM {schema}.jobs AS r
+                        WHERE r.id = d.id LIMIT 1) AS j
+    WHERE j.state = 'running' AND j.attempts = d.attempt
 ), taken AS MATERIALIZED (
+    -- Locked by primary key, the state tested again under the lock (a row settled meanwhile is
+    -- left alone). coalesce(): a bare `state = 'running'` lets the planner AND jobs_running_idx
+    -- into the look-up, all its dead entries with it (52,001 read for one ack, as in due).
     SELECT j.id FROM {schema}.jobs AS j
-    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
     FOR UPDATE SKIP LOCKED
 ), acked AS (
     UPDATE {schema}.jobs AS j
@@ -379,14 +387,16 @@ FROM due AS d LEFT JOIN acked AS a ON a.id = d.id;
 -- it was revoked (kept until the next prune, ended as job_ack would end it: its worker's report
 -- that it stopped it, job_stopped, may come after this ack). Locked rows as in job_ack.
 WITH due AS MATERIALIZED (
-    SELECT j.id, j.attempts FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-      ON j.id = d.id AND j.attempts = d.attempt
-    WHERE j.state = 'running'
+    -- (primary-key probes, as in job_ack)
+    SELECT j.id, j.attempts
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    CROSS JOIN LATERAL (SELECT r.id, r.attempts, r.state FROM {schema}.jobs AS r
+                        WHERE r.id = d.id LIMIT 1) AS j
+    WHERE j.state = 'running' AND j.attempts = d.attempt
 ), taken AS MATERIALIZED (
     SELECT j.id, j.failed_attempt IS DISTINCT FROM j.attempts AND j.revoked_at IS NULL AS done
     FROM {schema}.jobs AS j
-    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
     FOR UPDATE SKIP LOCKED
 ), deleted AS (
     DELETE FROM {schema}.jobs AS j USING taken
@@ -436,13 +446,15 @@ SELECT task, last_error, attempts, died FROM failed;
 -- Out of attempts, it goes 'dead' instead of looping; revoked while claimed, 'cancelled'. Locked
 -- rows as in job_ack.
 WITH due AS MATERIALIZED (
-    SELECT j.id, j.attempts FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-      ON j.id = d.id AND j.attempts = d.attempt
-    WHERE j.state = 'running'
+    -- (primary-key probes, as in job_ack)
+    SELECT j.id, j.attempts
+    FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+    CROSS JOIN LATERAL (SELECT r.id, r.attempts, r.state FROM {schema}.jobs AS r
+                        WHERE r.id = d.id LIMIT 1) AS j
+    WHERE j.state = 'running' AND j.attempts = d.attempt
 ), taken AS MATERIALIZED (
     SELECT j.id FROM {schema}.jobs AS j
-    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
     FOR UPDATE SKIP LOCKED
 ), requeued AS (
     UPDATE {schema}.jobs
@@ -472,11 +484,12 @@ WHERE (SELECT count(*) FROM woken) >= 0;  -- (evaluates the NOTIFYs)
 -- claimed: 'cancelled', with the same reason (a revoked job is never a dead letter to retry).
 -- Locked rows as in job_ack.
 WITH due AS MATERIALIZED (
+    -- (coalesce(): a primary-key probe, as in job_ack)
     SELECT j.id, j.attempts FROM {schema}.jobs AS j
-    WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND j.state = 'running'
+    WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND coalesce(j.state, '') = 'running'
 ), taken AS MATERIALIZED (
     SELECT j.id FROM {schema}.jobs AS j
-    WHERE j.id IN (SELECT id FROM due) AND j.state = 'running'
+    WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
     FOR UPDATE SKIP LOCKED
 ), buried AS (
     UPDATE {schema}.jobs AS j
