@@ -37,5 +37,6 @@ class TestMessage(common.BaseMessage):
     pass
 
 
-class TestEventLoop(common.BaseEventLoop):
-    pass
+if hasattr(common, "BaseEventLoop"):  # the suite of kombu 5.4 has no event loop tests yet
+    class TestEventLoop(common.BaseEventLoop):
+        pass
