@@ -12,6 +12,7 @@ health checks all read schedules through here, and the unit tests (``tests/unit`
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -114,18 +115,28 @@ class Cron(Grid):
         if unknown:
             raise ConfigurationError(f"unknown crontab field(s) {sorted(unknown)}")
         try:
-            self.cron = celery_schedules.crontab(**values, nowfun=lambda: datetime.now(self.zone))
+            self.cron = celery_schedules.crontab(**values, nowfun=self._now)
         except (ValueError, TypeError, celery_schedules.ParseException) as exc:
             raise ConfigurationError(f"invalid crontab {' '.join(values.values())!r}: {exc}") \
                 from exc
         self.cron.tz = self.zone  # Celery's crontab reads the app's zone otherwise
         self.spec = {"crontab": values, "tz": tz}
 
+    _probe = threading.local()
+
+    def _now(self) -> datetime:
+        """The time :meth:`next_after` asks about, else now: Celery before 5.7 compares the
+        date of ``now`` with the last run's and would look from today instead."""
+        return getattr(self._probe, "t", None) or datetime.now(self.zone)
+
     def next_after(self, t: datetime) -> datetime:
         probe = t
         for _ in range(4):
-            last, delta, _now = self.cron.remaining_delta(probe.astimezone(self.zone),
-                                                          tz=self.zone)
+            self._probe.t = probe.astimezone(self.zone)
+            try:
+                last, delta, _now = self.cron.remaining_delta(self._probe.t, tz=self.zone)
+            finally:
+                self._probe.t = None
             found = (last + delta).astimezone(timezone.utc)
             if found > t:
                 return found
