@@ -69,6 +69,7 @@ from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any, NamedTuple
 
+import celery
 import psycopg
 from celery import states
 from celery.backends.asynchronous import AsyncBackendMixin, BaseResultConsumer
@@ -90,6 +91,9 @@ from .settings import Settings
 __all__ = ["DatabaseBackend", "ResultConsumer"]
 
 logger = logging.getLogger(__name__)
+
+#: Celery before 5.7 fulfils only the first result object of a task id (see on_state_change).
+_FULFILS_ONE = celery.VERSION < (5, 7)
 
 
 class ChordPart(NamedTuple):
@@ -470,9 +474,18 @@ class ResultConsumer(BaseResultConsumer):
         self._subscribed.discard(task_id)
 
     def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
+        ready = meta["status"] in states.READY_STATES
+        # Celery before 5.7 fulfils one result object per task id, the first registered; a
+        # second one (a group restored for a chord's join while the first lives) waiting in
+        # join_native's buckets would wait until its timeout. Celery 5.7 fulfils them all.
+        waiting = ([node for node in list(self.buckets) if node.id == meta["task_id"]]
+                   if ready and _FULFILS_ONE and self.buckets else [])
         super().on_state_change(meta, message)
-        if meta["status"] in states.READY_STATES:
+        if ready:
             self.cancel_for(meta["task_id"])
+            for node in waiting:
+                if not node._cache:
+                    node._maybe_set_cache(meta)
 
     def on_wait_for_pending(self, result: Any, **kwargs: Any) -> None:
         """Read the results once before waiting: those already stored resolve at once."""
