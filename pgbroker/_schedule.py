@@ -173,8 +173,25 @@ class Solar(Grid):
         """The event after t, cut to the second (so that keys and logs read well)."""
         start = t.astimezone(timezone.utc).replace(tzinfo=None)
         self.solar.cal.date = start
-        event = self.solar._next_event(self.solar.ephem.Date(start)).datetime()
+        event = self._next_event(self.solar.ephem.Date(start)).datetime()
         return event.replace(tzinfo=timezone.utc, microsecond=0)
+
+    #: Days searched for an event that some days lack (sunrise in the polar night), as Celery.
+    MAX_SEARCH_DAYS = 366
+
+    def _next_event(self, start: Any) -> Any:
+        """Celery 5.7's ``solar._next_event`` (5.4-5.6 have none): the first event after
+        ``start``, looking on from the next anti-transit on a day without one; where none comes
+        within MAX_SEARCH_DAYS, the time the search stopped (checked again then)."""
+        solar = self.solar
+        sun = solar.ephem.Sun()
+        kwargs = {"use_center": True} if solar.use_center else {}
+        for _ in range(self.MAX_SEARCH_DAYS):
+            try:
+                return getattr(solar.cal, solar.method)(sun, start=start, **kwargs)
+            except solar.ephem.CircumpolarError:
+                start = solar.cal.next_antitransit(sun, start=start)
+        return start
 
     def describe(self) -> str:
         s = self.spec["solar"]
