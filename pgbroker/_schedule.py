@@ -12,6 +12,7 @@ health checks all read schedules through here, and the unit tests (``tests/unit`
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -114,18 +115,28 @@ class Cron(Grid):
         if unknown:
             raise ConfigurationError(f"unknown crontab field(s) {sorted(unknown)}")
         try:
-            self.cron = celery_schedules.crontab(**values, nowfun=lambda: datetime.now(self.zone))
+            self.cron = celery_schedules.crontab(**values, nowfun=self._now)
         except (ValueError, TypeError, celery_schedules.ParseException) as exc:
             raise ConfigurationError(f"invalid crontab {' '.join(values.values())!r}: {exc}") \
                 from exc
         self.cron.tz = self.zone  # Celery's crontab reads the app's zone otherwise
         self.spec = {"crontab": values, "tz": tz}
 
+    _probe = threading.local()
+
+    def _now(self) -> datetime:
+        """The time :meth:`next_after` asks about, else now: Celery before 5.7 compares the
+        date of ``now`` with the last run's and would look from today instead."""
+        return getattr(self._probe, "t", None) or datetime.now(self.zone)
+
     def next_after(self, t: datetime) -> datetime:
         probe = t
         for _ in range(4):
-            last, delta, _now = self.cron.remaining_delta(probe.astimezone(self.zone),
-                                                          tz=self.zone)
+            self._probe.t = probe.astimezone(self.zone)
+            try:
+                last, delta, _now = self.cron.remaining_delta(self._probe.t, tz=self.zone)
+            finally:
+                self._probe.t = None
             found = (last + delta).astimezone(timezone.utc)
             if found > t:
                 return found
@@ -162,8 +173,25 @@ class Solar(Grid):
         """The event after t, cut to the second (so that keys and logs read well)."""
         start = t.astimezone(timezone.utc).replace(tzinfo=None)
         self.solar.cal.date = start
-        event = self.solar._next_event(self.solar.ephem.Date(start)).datetime()
+        event = self._next_event(self.solar.ephem.Date(start)).datetime()
         return event.replace(tzinfo=timezone.utc, microsecond=0)
+
+    #: Days searched for an event that some days lack (sunrise in the polar night), as Celery.
+    MAX_SEARCH_DAYS = 366
+
+    def _next_event(self, start: Any) -> Any:
+        """Celery 5.7's ``solar._next_event`` (5.4-5.6 have none): the first event after
+        ``start``, looking on from the next anti-transit on a day without one; where none comes
+        within MAX_SEARCH_DAYS, the time the search stopped (checked again then)."""
+        solar = self.solar
+        sun = solar.ephem.Sun()
+        kwargs = {"use_center": True} if solar.use_center else {}
+        for _ in range(self.MAX_SEARCH_DAYS):
+            try:
+                return getattr(solar.cal, solar.method)(sun, start=start, **kwargs)
+            except solar.ephem.CircumpolarError:
+                start = solar.cal.next_antitransit(sun, start=start)
+        return start
 
     def describe(self) -> str:
         s = self.spec["solar"]

@@ -11,12 +11,14 @@ Limits: every worker consuming a queue lists that queue's scheduled jobs (a job 
 until it is due), so two workers of one queue list the same jobs. At most ``limit`` entries per
 worker (:data:`DEFAULT_LIMIT`, at most :data:`MAX_LIMIT`): a reply is one message through a
 reply row, and a queue can hold 100,000 scheduled jobs. ``pgbroker jobs list --state scheduled``
-lists them all. ``priority`` is the message's priority (Celery's is its timer's, always 6).
+lists them all. ``priority`` is the timer entry's, as Celery's worker reports it
+(:data:`TIMER_PRIORITY`); the message's own priority is in ``request.delivery_info``, as there.
 """
 
 from __future__ import annotations
 
 import sys
+from datetime import timezone
 from typing import Any
 
 from celery import signals
@@ -24,7 +26,7 @@ from kombu.serialization import loads
 
 from .transport import Transport
 
-__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "install", "connect", "scheduled"]
+__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "TIMER_PRIORITY", "install", "connect", "scheduled"]
 
 #: Entries a worker lists when the caller gives no limit (``celery inspect scheduled [limit]``).
 DEFAULT_LIMIT = 100
@@ -33,6 +35,9 @@ MAX_LIMIT = 1000
 #: Bodies longer than this are not read: their ``argsrepr``/``kwargsrepr`` headers stand in, so a
 #: reply of MAX_LIMIT entries stays a few MB (the transport's max_message_size is 16 MiB).
 BODY_MAX = 4096
+#: The priority Celery's worker gives an eta request in its timer (celery/worker/strategy.py,
+#: ``call_at(eta, ..., priority=6)``) and ``inspect scheduled`` reports.
+TIMER_PRIORITY = 6
 
 _JSON = "application/json"
 
@@ -69,8 +74,8 @@ def _entry(row: tuple[Any, ...], hostname: str) -> dict[str, Any]:
     if args is None:
         args, kwargs = argsrepr, kwargsrepr  # Request.info(safe=True) gives these, too
     return {
-        "eta": run_at.isoformat(),
-        "priority": priority,
+        "eta": run_at.astimezone(timezone.utc).isoformat(),  # UTC, as Celery sends it
+        "priority": TIMER_PRIORITY,
         "request": {
             "id": task_id,
             "name": task,

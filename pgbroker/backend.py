@@ -77,13 +77,11 @@ from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any, NamedTuple
 
+import celery
 import psycopg
 from celery import states
 from celery.backends.asynchronous import AsyncBackendMixin, BaseResultConsumer
-from celery.backends.base import (
-    BaseKeyValueStoreBackend,
-    _create_chord_error_with_cause,
-)
+from celery.backends.base import BaseKeyValueStoreBackend
 from celery.canvas import maybe_signature
 from celery.exceptions import BackendStoreError, ChordError
 from celery.result import GroupResult, allow_join_result
@@ -103,6 +101,9 @@ from .settings import Settings
 __all__ = ["DatabaseBackend", "ResultConsumer"]
 
 logger = logging.getLogger(__name__)
+
+#: Celery before 5.7 fulfils only the first result object of a task id (see on_state_change).
+_FULFILS_ONE = celery.VERSION < (5, 7)
 
 
 class ChordPart(NamedTuple):
@@ -154,6 +155,12 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         self.conninfo = _db.libpq_url(url)
         self.q = Queries(self.options.schema)
         self.connection_errors = _db.CONNECTION_ERRORS
+        # Celery 5.7's chord_expires and _chord_result_expires, here because 5.4-5.6 have neither:
+        # the chord counter lives result_chord_expires (else result_expires), the header
+        # results at least result_expires (0: no expiry)
+        chord = conf.get("result_chord_expires")
+        self.chord_ttl = self.expires if chord is None else self.prepare_expires(chord, type=int)
+        self.chord_keep = max(self.chord_ttl, self.expires) if self.chord_ttl and self.expires else 0
         join_timeout = conf.result_chord_join_timeout or 5.0
         self.chord_reclaim_after = timedelta(seconds=max(10.0, 2 * float(join_timeout)))
         # The core Store owns connecting: migrating (or checking) the schema first, reopening
@@ -356,7 +363,7 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
         self._run("result_chord_size_set", {"group_id": group_id, "size": chord_size,
-                                            "ttl": _ttl(self.chord_expires)})
+                                            "ttl": _ttl(self.chord_ttl)})
 
     def add_to_chord(self, group_id: str, result: Any) -> None:
         self._run("result_chord_add", {"group_id": group_id}, retry=False)
@@ -366,8 +373,8 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         row = self._run("result_chord_part_return", {
             "group_id": request.group, "task_id": request.id,
             "group_index": index if isinstance(index, int) else -1, "size": size,
-            "token": token, "ttl": _ttl(self.chord_expires),
-            "keep": _ttl(self._chord_result_expires),
+            "token": token, "ttl": _ttl(self.chord_ttl),
+            "keep": _ttl(self.chord_keep),
             "reclaim_after": self.chord_reclaim_after,
         }).fetchone()
         return ChordPart(int(row[0]), None if row[1] is None else int(row[1]), bool(row[2]),
@@ -416,13 +423,13 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             culprit = next(deps._failed_join_report(), None)
             reason = f"Dependency {culprit.id} raised {exc!r}" if culprit else repr(exc)
             self._fail_chord(gid, callback,
-                             _create_chord_error_with_cause(message=reason, original_exc=exc))
+                             _chord_error(reason, exc))
             return
         try:
-            app.amqp._retry_publish(callback.delay, ret)
+            # Celery 5.7's publish with waits between retries; before it, a plain publish
+            getattr(app.amqp, "_retry_publish", _call)(callback.delay, ret)
         except Exception as exc:  # noqa: BLE001 - the body is failed, never left waiting
-            self._fail_chord(gid, callback, _create_chord_error_with_cause(
-                message=f"Callback error: {exc!r}", original_exc=exc))
+            self._fail_chord(gid, callback, _chord_error(f"Callback error: {exc!r}", exc))
 
     def _fail_chord(self, gid: str, callback: Any, exc: ChordError) -> Any:
         """Mark the body failed and call its errbacks (Celery's ``chord_error_from_stack``,
@@ -504,9 +511,18 @@ class ResultConsumer(BaseResultConsumer):
         self._subscribed.discard(task_id)
 
     def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
+        ready = meta["status"] in states.READY_STATES
+        # Celery before 5.7 fulfils one result object per task id, the first registered; a
+        # second one (a group restored for a chord's join while the first lives) waiting in
+        # join_native's buckets would wait until its timeout. Celery 5.7 fulfils them all.
+        waiting = ([node for node in list(self.buckets) if node.id == meta["task_id"]]
+                   if ready and _FULFILS_ONE and self.buckets else [])
         super().on_state_change(meta, message)
-        if meta["status"] in states.READY_STATES:
+        if ready:
             self.cancel_for(meta["task_id"])
+            for node in waiting:
+                if not node._cache:
+                    node._maybe_set_cache(meta)
 
     def on_wait_for_pending(self, result: Any, **kwargs: Any) -> None:
         """Read the results once before waiting: those already stored resolve at once."""
@@ -570,14 +586,30 @@ class ResultConsumer(BaseResultConsumer):
                 if not ids:
                     _db.wait_readable(listener.fileno(), max(wait, 0.0))
                     ids = set(_db.notifications(listener, _CLOSED))
-        except (OSError, psycopg.Error):  # DatabaseUnavailable is an OSError
-            self.stop()  # the next drain reconnects and re-reads every pending result
-            raise
+        except (OSError, psycopg.Error) as exc:  # DatabaseUnavailable is an OSError
+            # The next drain reconnects and re-reads every pending result; a database still
+            # down fails that connect. Not raised: Celery before 5.7 would give the error to
+            # the caller of .get() instead of draining again.
+            logger.warning("results LISTEN connection lost (%s): connecting again", exc)
+            self.stop()
+            return set()
         return ids
 
 
 #: What a closed results LISTEN connection is called in the error (see _db.notifications).
 _CLOSED = "the results LISTEN connection"
+
+
+def _call(function: Any, *args: Any) -> Any:
+    return function(*args)
+
+
+def _chord_error(message: str, cause: Exception) -> ChordError:
+    """A ChordError caused by ``cause`` (what Celery 5.6's private
+    ``_create_chord_error_with_cause`` makes; Celery 5.4 and 5.5 have no such helper)."""
+    error = ChordError(message)
+    error.__cause__ = cause
+    return error
 
 
 def _ttl(seconds: float | timedelta | None) -> timedelta | None:

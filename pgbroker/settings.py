@@ -1,17 +1,19 @@
 """Transport options -> one frozen, validated :class:`Settings` object.
 
 Every option has a named default here; an unknown option is an error that names the closest
-known one, so a typo in ``broker_transport_options`` never passes silently.
+known one, so a typo in ``broker_transport_options`` never passes silently. Options of other
+transports (Redis's ``visibility_timeout``, ``polling_interval``...) are mapped or warned about by
+:mod:`pgbroker._foreign_options`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._foreign_options import translate
 from ._ratelimits import RateLimit, parse_rate_limits
 from .errors import ConfigurationError
 
@@ -19,13 +21,6 @@ __all__ = ["Settings"]
 
 # fullmatch: "$" alone also matches before a final newline, and "name\n" would pass
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,47}")
-
-# Options that kombu or Celery themselves read from transport_options; accepted and ignored here.
-_KOMBU_OPTIONS = frozenset({
-    "polling_interval", "body_encoding", "deadletter_queue", "max_retries", "interval_start",
-    "interval_step", "interval_max", "confirm_publish", "client_properties",
-    "fanout_prefix", "fanout_patterns", "visibility_timeout",
-})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +125,7 @@ class Settings:
     def from_options(cls, options: Mapping[str, Any] | None = None) -> Settings:
         """Build settings from kombu transport options, refusing unknown ones."""
         known = {f.name for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in (options or {}).items():
-            if key in known:
-                values[key] = value
-            elif key not in _KOMBU_OPTIONS:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigurationError(f"unknown pgbroker transport option {key!r}{hint}")
+        values = translate(options or {}, known)  # other transports' options: mapped or warned
         if "require_idempotency_key" in values:
             values["require_idempotency_key"] = _names(values["require_idempotency_key"])
         if values.get("rate_limits") is not None:

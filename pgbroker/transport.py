@@ -26,7 +26,9 @@ See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_att
 ``claim_batch_max``, ``prune_batch_size``, ``use_advisory_locks``, ``max_message_size``,
 ``max_header_size``, ``connect_timeout``, ``durable_publish``, ``durable_acks``,
 ``require_idempotency_key``; kombu's ``deadletter_queue`` takes unroutable messages (else they
-are kept dead in ``pgbroker.unroutable``). Unknown options are an error.
+are kept dead in ``pgbroker.unroutable``). Options of other transports (``polling_interval``,
+``visibility_timeout``...) are read as pgbroker's or warned about: :mod:`pgbroker._foreign_options`.
+Unknown options are an error.
 
 This module is kombu glue: ``Channel`` and ``QoS`` call the connection's
 :class:`pgbroker._consumer.Consumer` (LISTEN, claims, timers, the event loop, acks), the

@@ -138,7 +138,11 @@ def _cmd_add(schedules: Schedules, args: argparse.Namespace) -> int:
             raise OperationError(f"--crontab needs 5 fields (minute hour day-of-month month "
                                  f"day-of-week), not {args.crontab!r}")
         try:
-            schedule: Any = celery_schedules.crontab.from_string(" ".join(fields))
+            # crontab.from_string came with Celery 5.5: the fields by name, in cron's order
+            minute, hour, day_of_month, month_of_year, day_of_week = fields
+            schedule: Any = celery_schedules.crontab(
+                minute=minute, hour=hour, day_of_month=day_of_month,
+                month_of_year=month_of_year, day_of_week=day_of_week)
         except (ValueError, celery_schedules.ParseException) as exc:
             raise OperationError(f"invalid --crontab {args.crontab!r}: {exc}") from None
     else:

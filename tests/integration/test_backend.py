@@ -82,7 +82,7 @@ def backend_of(broker_url: str, **conf: Any) -> DatabaseBackend:
 
 def test_unknown_and_bad_options_are_refused(broker_url: str) -> None:
     for options, error in (({"pol_interval": 1}, "did you mean 'poll_interval'"),
-                           ({"global_keyprefix": "x"}, "unknown pgbroker transport option"),
+                           ({"result_keyprefix": "x"}, "unknown pgbroker transport option"),
                            ({"schema": "Bad-Name"}, "not a valid pgbroker schema"),
                            ({"prune_batch_size": 0}, "prune_batch_size"),
                            ({"poll_interval": "soon"}, "poll_interval")):

@@ -221,7 +221,7 @@ def test_inspect_scheduled_lists_the_earliest_jobs_of_the_consumed_queues_within
     listed = scheduled(inspect_state("qa", "qb"))
     assert [e["request"]["id"] for e in listed] == ["b0", "a4", "a3", "a2", "a1", "a0", "big"]
     first = listed[1]
-    assert first["priority"] == 4 and first["eta"].endswith("+00:00")
+    assert first["priority"] == _scheduled.TIMER_PRIORITY == 6 and first["eta"].endswith("+00:00")
     assert first["request"] == {
         "id": "a4", "name": TASK, "args": [4], "kwargs": {"k": 4}, "type": TASK,
         "hostname": "w1@host", "time_start": None, "acknowledged": False,

@@ -37,5 +37,6 @@ class TestMessage(common.BaseMessage):
     pass
 
 
-class TestEventLoop(common.BaseEventLoop):
-    pass
+if hasattr(common, "BaseEventLoop"):  # kombu's suite has event loop tests from 5.7 on
+    class TestEventLoop(common.BaseEventLoop):
+        pass

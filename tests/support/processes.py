@@ -280,7 +280,10 @@ def _celery_argv(
 def _env(broker_url: str, extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PGBROKER_TEST_BROKER_URL"] = broker_url
-    env["PGBROKER_DATABASE_URL"] = normalize_url(broker_url)
+    try:
+        env["PGBROKER_DATABASE_URL"] = normalize_url(broker_url)
+    except ValueError:  # another broker (RabbitMQ): tasks record in PGBROKER_TEST_RUNS_URL
+        pass
     env["PYTHONUNBUFFERED"] = "1"
     pythonpath = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + pythonpath if pythonpath else "")

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from pathlib import Path
 
 import pytest
 
+from pgbroker import _foreign_options
+from pgbroker._foreign_options import INSTEAD, KOMBU_OPTIONS, MAPPED
 from pgbroker.errors import ConfigurationError
 from pgbroker.settings import Settings
 
 INTEGER_OPTIONS = ("max_attempts", "claim_batch_max", "prune_batch_size", "max_message_size")
 SECONDS_OPTIONS = ("retention", "lease_timeout", "heartbeat_interval", "sweep_interval",
                    "poll_interval", "connect_timeout", "xmin_warn_after")
+
+
+@pytest.fixture(autouse=True)
+def _warnings_not_given_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees the process before its first warning about another transport's option."""
+    monkeypatch.setattr(_foreign_options, "_warned", set())
 
 
 def test_defaults_are_valid_and_documented_values() -> None:
@@ -54,10 +64,55 @@ def test_configuration_error_is_a_value_error() -> None:
         Settings.from_options({"nope": 1})
 
 
-@pytest.mark.parametrize("option", ["polling_interval", "visibility_timeout", "max_retries",
-                                    "interval_start", "confirm_publish", "body_encoding"])
-def test_options_read_by_kombu_or_celery_are_accepted_and_ignored(option: str) -> None:
-    assert Settings.from_options({option: 1}) == Settings()
+@pytest.mark.parametrize("option", sorted(KOMBU_OPTIONS))
+def test_options_kombu_reads_for_every_transport_are_accepted_quietly(
+        option: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "pgbroker"):
+        assert Settings.from_options({option: 1}) == Settings()
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(("option", "own"), sorted(MAPPED.items()))
+def test_another_transports_option_with_a_pgbroker_meaning_is_read_as_it(
+        option: str, own: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "pgbroker"):
+        assert getattr(Settings.from_options({option: 2.5}), own) == 2.5
+        assert getattr(Settings.from_options({option: 2.5, own: 2.5}), own) == 2.5
+    assert [r.getMessage() for r in caplog.records] == [
+        f"transport option {option!r} is read as pgbroker's {own!r}"]  # once per process
+    with pytest.raises(ConfigurationError, match=f"mean the same: give '{own}' only"):
+        Settings.from_options({option: 1, own: 2})
+
+
+@pytest.mark.parametrize("option", sorted(INSTEAD))
+def test_another_transports_option_is_accepted_with_one_warning_saying_what_pgbroker_does(
+        option: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "pgbroker"):
+        assert Settings.from_options({option: 1}) == Settings()
+        assert Settings.from_options({option: 1}) == Settings()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"transport option {option!r} does nothing here: {INSTEAD[option]}")]
+
+
+def test_visibility_timeout_warning_names_the_lease() -> None:
+    assert INSTEAD["visibility_timeout"] == (
+        "pgbroker has no visibility timeout: a running job is redelivered only when its "
+        "worker's lease (lease_timeout) expires, never while the worker lives")
+
+
+def test_the_readme_names_every_option_of_another_transport() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text("utf-8")
+    table = readme[readme.index("## Transport options"):readme.index("## Operations")]
+    missing = [name for name in [*KOMBU_OPTIONS, *MAPPED, *INSTEAD] if f"`{name}`" not in table
+               and not (name.startswith("unacked_") and "`unacked_*`" in table)]
+    assert missing == []
+
+
+def test_the_transports_option_lists_do_not_overlap() -> None:
+    known = {f.name for f in dataclasses.fields(Settings)}
+    groups = [known, set(KOMBU_OPTIONS), set(MAPPED), set(INSTEAD)]
+    assert sum(map(len, groups)) == len(set().union(*groups))
+    assert set(MAPPED.values()) <= known
 
 
 @pytest.mark.parametrize("schema", ["a", "_x", "app_queue_2", "a" * 48])
