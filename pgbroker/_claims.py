@@ -23,6 +23,8 @@ __all__ = ["after_params", "ClaimPolicy", "EARLIEST", "Claimed", "Delivery", "HE
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05
+#: Every how many polls the claims start from the head while NOTIFYs arrive (see polled).
+RESCAN_POLLS = 6
 #: Seconds claims wait after one failed on a living connection: doubling from the first to the
 #: second, reset by a claim that runs.
 FAILED_CLAIM_WAIT = (0.5, 30.0)
@@ -120,7 +122,7 @@ class ClaimPolicy:
     said so (``more``). It also keeps the channel's deferred acks, sent with its next claim.
 
     Where a claim starts (the cursor, 0014_claim_cursor.sql): after the last row the queue's last
-    claim took, or after the end when that claim took all there was; never before a place a
+    claim took (a claim that took none leaves it where it was); never before a place a
     wake-up named since (:meth:`lower`), including one that arrived while the claim was in
     flight: its row may have committed after the claim's snapshot. Rows that become pending
     behind the cursor without a wake-up naming their place (a resume, an admin retry, a lost
@@ -143,6 +145,7 @@ class ClaimPolicy:
         #: the queue whose claim is in flight: the lowest place named since it was sent
         self._flight: dict[str, Position] = {}
         self._failed_wait = 0.0  # how long claims wait after this failure (see failed)
+        self._polls = 0
 
     def may_find(self, queues: list[str]) -> bool:
         """Event loop: a claim is worth sending (something may be there, or the round goes on)."""
@@ -181,18 +184,18 @@ class ClaimPolicy:
         return self.after(queue)
 
     def took(self, queue: str, rows: list[JobRow], want: int) -> list[JobRow]:
-        """The rows of a claim of ``queue`` (asked for ``want``): moves its cursor past them,
-        or past the end when it took fewer (none was left after its start), never past a place
-        named meanwhile; learns whether the queue is gated. A claim that did not run (given up
-        on a superseded connection: not a :class:`Claimed`) moves nothing back or forth."""
+        """The rows of a claim of ``queue``: moves its cursor past the last one, never past a
+        place named meanwhile; learns whether the queue is gated. A claim that did not run
+        (given up on a superseded connection: not a :class:`Claimed`) sends the next one to the
+        head. (``want``: how many it asked for.)"""
         named = self._flight.pop(queue, END)
         if not isinstance(rows, Claimed):
             self.lower(queue, HEAD)
             return rows
         if rows.gated:
             self._gated.add(queue)
-        self._after[queue] = min(position(rows[-1]) if rows and len(rows) >= want else END,
-                                named)
+        if rows:
+            self._after[queue] = min(position(rows[-1]), named)
         return rows
 
     def lower(self, queue: str, place: Position) -> None:
@@ -200,6 +203,18 @@ class ClaimPolicy:
         self._after[queue] = min(self._after.get(queue, HEAD), place)
         if queue in self._flight:
             self._flight[queue] = min(self._flight[queue], place)
+
+    def polled(self, notified: bool) -> None:
+        """The poll (``poll_interval``): claim again, from the head of each queue when due.
+        While NOTIFYs arrive (``notified``) they name every place a row became pending, so the
+        claim from the head -- whose cost grows with the dead row versions a held snapshot keeps
+        -- is for what none named (a NOTIFY lost, a claim of another consumer rolled back) and
+        runs every :data:`RESCAN_POLLS` polls; without them (transaction pooling: poll-only) at
+        every poll."""
+        self.more = True
+        self._polls += 1
+        if not notified or self._polls % RESCAN_POLLS == 0:
+            self.rescan()
 
     def rescan(self) -> None:
         """The next claim of every queue starts from the head (the poll: see the class)."""

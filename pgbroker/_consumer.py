@@ -118,6 +118,8 @@ class Consumer:
                                         connect_timeout=self.settings.connect_timeout,
                                         application_name="pgbroker listen")
             self.line, self.in_flight = None, None
+            for channel in self.channels:  # what was notified meanwhile was not heard
+                channel.claims.rescan()
         assert self._listener is not None
         return self._listener
 
@@ -438,8 +440,7 @@ class Consumer:
         self._promoted_to = EARLIEST  # (the poll is the fallback for lost notifications)
         self._take_result()
         for channel in self.channels:
-            channel.claims.more = True
-            channel.claims.rescan()
+            channel.claims.polled(notified=not self.settings.transaction_pooling)
         if self.queues():
             self._on_due()
         self.request_turn()
