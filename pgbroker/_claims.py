@@ -4,7 +4,8 @@ One :class:`ClaimPolicy` per channel, followed by both consuming paths of
 :class:`pgbroker._consumer.Consumer`: the worker's event loop (one queue's claim per turn) and
 ``drain_events`` (a whole round per call). It also says which statement claims a queue: a
 queue is claimed by ``job_claim`` (the cheap one) until a claim finds it gated (keyed jobs, rate
-limits: see ``sql/queries.sql``), then by ``job_claim_gated``. What a claim returns: its rows
+limits: see ``sql/queries.sql``), then by ``job_claim_gated``; and where in the queue the claim
+starts (its cursor: :class:`ClaimPolicy`, 0014_claim_cursor.sql). What a claim returns: its rows
 (:class:`JobRow`), in delivery order (:class:`Claimed`).
 """
 
@@ -41,7 +42,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 EARLIEST = datetime.min.replace(tzinfo=timezone.utc)
 #: Before every row: a claim from the head of the queue.
 HEAD: Position = (-256, EARLIEST, uuid.UUID(int=0))
-#: After every row: nothing was left to claim (until a wake-up names a place).
+#: After every row: the place named to a claim in flight while no wake-up has named one.
 END: Position = (256, datetime.max.replace(tzinfo=timezone.utc), uuid.UUID(int=2**128 - 1))
 
 
