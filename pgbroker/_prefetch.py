@@ -71,8 +71,9 @@ class _Gate:
             return bool(gate._can_consume())
 
         def can_consume_max_estimate(qos: Any) -> int:
-            slots = gate._estimate()
-            return min(slots, gate.free()) if slots else max(gate.free(), 0)
+            slots = gate._estimate()  # None: no prefetch limit
+            free = max(gate.free(), 0)
+            return free if slots is None else min(slots, free)
 
         qos.can_consume = MethodType(can_consume, qos)
         qos.can_consume_max_estimate = MethodType(can_consume_max_estimate, qos)
