@@ -22,7 +22,7 @@ from .enqueue import enqueue, enqueue_many, transaction
 from ._complete import complete
 from .migrate import migrate
 from .settings import Settings
-from . import _endings, _failures, _scheduled, _startup, signals  # noqa: F401 - signals: public
+from . import _endings, _failures, _prefetch, _scheduled, _startup, signals  # noqa: F401 - signals: public
 from .transport import register_scheme
 
 __all__ = [
@@ -54,3 +54,4 @@ _failures.connect()
 _endings.connect()
 _scheduled.connect()
 _startup.connect()
+_prefetch.connect()

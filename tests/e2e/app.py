@@ -84,6 +84,16 @@ def nap(self, key: str, seconds: float) -> str:
 
 
 @app.task(bind=True)
+def hold(self, key: str) -> str:
+    """Runs until the test records a run of ``<key>:go``: a task whose end the test decides."""
+    record(self, key)
+    while not _db().execute("SELECT 1 FROM public.runs WHERE key = %s", (key + ":go",)).fetchone():
+        time.sleep(0.05)
+    record(self, key + ":done")
+    return key
+
+
+@app.task(bind=True)
 def suicide(self, key: str) -> None:
     """A poison task: kills the pool process running it, every time."""
     record(self, key)
