@@ -408,6 +408,17 @@ def lost_connection(exc: BaseException) -> bool:
     return isinstance(exc, OSError)
 
 
+#: A statement rolled back whole that may simply be sent again, when it ran on its own (no
+#: transaction of the caller's around it): a deadlock, or a serialization failure -- under READ
+#: COMMITTED only a row moved to the other partition of jobs (0020: an ack, an expiry, a revoke)
+#: between the statement's snapshot and its lock on the row.
+RERUN_ERRORS = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+
+#: Tries in all of a statement that fails with one of :data:`RERUN_ERRORS` (each with a fresh
+#: snapshot: a claim meets a moved row only if it was claimed and acked during the claim).
+RERUN_TRIES = 5
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -146,7 +146,7 @@ class LoopStatements:
             (res,), self._results = self._results, []
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
                 error = psycopg.errors.error_from_result(res)
-                if isinstance(error, psycopg.errors.DeadlockDetected) and self._retries < 2:
+                if isinstance(error, _db.RERUN_ERRORS) and self._retries < _db.RERUN_TRIES - 1:
                     # rolled back, acks included (see Store.claim): send it again
                     self._retries += 1
                     self._send(name, values, acks)

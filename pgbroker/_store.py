@@ -200,11 +200,20 @@ class Store:
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
             self._before_statement(conn, sync, lock_timeout)
-            try:
-                return self.q.execute(conn, name, params, binary=binary)
-            except _POOLER_ERRORS as exc:
-                self._pooler_found(exc)
-                return self.q.execute(conn, name, params, binary=binary)
+            tries = 1
+            while True:
+                try:
+                    return self.q.execute(conn, name, params, binary=binary)
+                except _POOLER_ERRORS as exc:
+                    self._pooler_found(exc)
+                    return self.q.execute(conn, name, params, binary=binary)
+                except _db.RERUN_ERRORS:
+                    # rolled back whole: sent again, unless it ran in a transaction of the
+                    # caller's (then the caller's to handle)
+                    if tries == _db.RERUN_TRIES \
+                            or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                        raise
+                    tries += 1
 
     def _before_statement(self, conn: psycopg.Connection[Any], sync: bool,
                           lock_timeout: float | None = None) -> None:
@@ -302,8 +311,9 @@ class Store:
         ids, attempts = _pq.split(acks)
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
                   "attempts": attempts, **after_params(after)}
-        retries = 0
         name = "job_claim_gated" if gated else "job_claim"
+        # (a deadlock, about 1 in 15,000 claims with 4 busy consumers, or a row moved under the
+        # claim is sent again by _execute: rolled back, acks included)
         while True:
             try:
                 cur = self._execute(name, params, binary=True, durable=False,
@@ -316,12 +326,6 @@ class Store:
                     params.update(ids=ids, attempts=attempts)
                     continue
                 break
-            except psycopg.errors.DeadlockDetected:
-                # Rare (about 1 in 15,000 claims with 4 busy consumers): the statement was
-                # rolled back, acks included, so running it again is safe.
-                retries += 1
-                if retries == 3:
-                    raise
             except psycopg.errors.LockNotAvailable:
                 _keep_locked(list(zip(ids, attempts)), locked, "ack")
                 ids, attempts = [], []
@@ -447,16 +451,9 @@ class Store:
                   **{f"b_{k}": b.get(k) for k in ("id", "exchange", "routing_key", "body",
                                                   "content_type", "content_encoding",
                                                   "headers", "properties")}}
-        deadlocks = 0
-        while True:
-            try:
-                return self._execute("job_revoke", params).fetchall()
-            except psycopg.errors.DeadlockDetected:
-                # with an ack or another revoke locking the same rows in another order: the
-                # statement was rolled back whole, so running it again is safe
-                deadlocks += 1
-                if deadlocks == 3:
-                    raise
+        # (a deadlock with an ack or another revoke locking the same rows in another order is
+        # sent again by _execute)
+        return self._execute("job_revoke", params).fetchall()
 
     def scheduled(self, queues: Sequence[str], limit: int, body_max: int) -> list[tuple[Any, ...]]:
         """``job_scheduled_list``: the earliest scheduled jobs of ``queues``."""

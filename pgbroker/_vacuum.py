@@ -43,9 +43,10 @@ __all__ = ["HOT_TABLES", "Holder", "HorizonGuard", "HotTable", "VacuumFallback",
 
 logger = logging.getLogger(__name__)
 
-#: pgbroker's tables whose rows are updated or deleted all the time (migration 0015).
-HOT_TABLES = ("jobs", "consumers", "queues", "concurrency_keys", "rate_limits", "broadcasts",
-              "task_losses")
+#: pgbroker's tables whose rows are updated or deleted all the time (migration 0015); jobs by
+#: its partitions (0020): the jobs to run, and the finished ones the sweeper prunes.
+HOT_TABLES = ("jobs_live", "jobs_done", "consumers", "queues", "concurrency_keys", "rate_limits",
+              "broadcasts", "task_losses")
 
 #: What pg_stat_activity shows for another role's query without pg_read_all_stats.
 HIDDEN = "<insufficient privilege>"
@@ -228,7 +229,7 @@ class HorizonGuard:
             logger.warning(
                 "pgbroker: VACUUM's horizon has been held for %.0f s%s by %s. No row version "
                 "that died since can be removed, in any table of the database: claims slow "
-                "down as dead versions pile up in %s.jobs. What to do: %s.",
+                "down as dead versions pile up in %s.jobs_live. What to do: %s.",
                 held, seen, h.describe(), self.settings.schema, advice(h))
         return warned
 

@@ -42,6 +42,9 @@ WITH keys AS MATERIALIZED (
            coalesce(%(task)s::text = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)),
                     false)
     FROM keys AS k
+    -- a message whose job has finished (jobs_done: no unique index spans the partitions,
+    -- 0020_finished_partition.sql); jobs_live's unique indexes skip the rest
+    WHERE NOT {schema}.jobs_finished(%(id)s, %(task_id)s, %(queue)s, %(message_digest)s)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at, priority
 )
@@ -59,9 +62,11 @@ FROM inserted;
 INSERT INTO {schema}.jobs (id, queue, task, task_id, retries, exchange, routing_key, body,
                            content_type, content_encoding, headers, properties, state, priority,
                            max_attempts, expires_at, message_digest, last_error)
-VALUES (%(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
+SELECT %(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(routing_key)s,
         %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s, 'dead',
-        %(priority)s, %(max_attempts)s, %(expires_at)s, %(message_digest)s, %(error)s)
+        %(priority)s, %(max_attempts)s, %(expires_at)s, %(message_digest)s, %(error)s
+-- (the same message in either partition: jobs_done's index on it is not unique, 0020)
+WHERE NOT {schema}.jobs_finished(%(id)s, %(task_id)s, %(queue)s, %(message_digest)s, true)
 ON CONFLICT DO NOTHING;
 
 -- name: job_insert_many
@@ -104,6 +109,10 @@ WITH m AS (
            -- a job of a paused task name waits out of the claim's way (as in job_insert)
            coalesce(task = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)), false)
     FROM m
+    -- (a message whose job has finished: as in job_insert; one call for the batch)
+    WHERE m.id <> ALL ((SELECT {schema}.jobs_finished_ids(%(id)b::uuid[], %(task_id)b::text[],
+                                                           %(queue)b::text[],
+                                                           %(message_digest)b::bytea[]))::uuid[])
     ON CONFLICT DO NOTHING
     RETURNING id, queue, run_at, priority
 ), notified AS (
@@ -187,6 +196,8 @@ WITH candidates AS MATERIALIZED (
         updated_at = now()
     FROM (SELECT ARRAY(SELECT id FROM candidates) AS ids) AS c
     WHERE j.id = ANY(c.ids || %(ids)s::uuid[])
+      -- (jobs_live alone: a pending candidate or a running delivery, 0020)
+      AND j.state IN ('pending', 'running')
       AND (j.id = ANY(c.ids)
            -- an ack: the same rule as job_ack (only that delivery, only while it runs)
            OR (j.state = 'running'
@@ -355,7 +366,8 @@ WITH due AS MATERIALIZED (
     SELECT j.id, j.attempts
     FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
     CROSS JOIN LATERAL (SELECT r.id, r.attempts, r.state FROM {schema}.jobs AS r
-                        WHERE r.id = d.id LIMIT 1) AS j
+                        WHERE r.id = d.id AND r.state IN ('scheduled', 'pending', 'running')
+                        LIMIT 1) AS j
     WHERE j.state = 'running' AND j.attempts = d.attempt
 ), taken AS MATERIALIZED (
     -- Locked by primary key, the state tested again under the lock (a row settled meanwhile is
@@ -363,6 +375,7 @@ WITH due AS MATERIALIZED (
     -- into the look-up, all its dead entries with it (52,001 read for one ack, as in due).
     SELECT j.id FROM {schema}.jobs AS j
     WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
+      AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
     FOR UPDATE SKIP LOCKED
 ), acked AS (
     UPDATE {schema}.jobs AS j
@@ -370,7 +383,7 @@ WITH due AS MATERIALIZED (
     SET state = CASE WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
-    FROM taken WHERE j.id = taken.id
+    FROM taken WHERE j.id = taken.id AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, j.state, j.task, j.last_error
 ), streak_ended AS (
     -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
@@ -391,16 +404,18 @@ WITH due AS MATERIALIZED (
     SELECT j.id, j.attempts
     FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
     CROSS JOIN LATERAL (SELECT r.id, r.attempts, r.state FROM {schema}.jobs AS r
-                        WHERE r.id = d.id LIMIT 1) AS j
+                        WHERE r.id = d.id AND r.state IN ('scheduled', 'pending', 'running')
+                        LIMIT 1) AS j
     WHERE j.state = 'running' AND j.attempts = d.attempt
 ), taken AS MATERIALIZED (
     SELECT j.id, j.failed_attempt IS DISTINCT FROM j.attempts AND j.revoked_at IS NULL AS done
     FROM {schema}.jobs AS j
     WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
+      AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
     FOR UPDATE SKIP LOCKED
 ), deleted AS (
     DELETE FROM {schema}.jobs AS j USING taken
-    WHERE j.id = taken.id AND taken.done
+    WHERE j.id = taken.id AND taken.done AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, 'completed'::text AS state, j.task, j.last_error
 ), kept AS (
     UPDATE {schema}.jobs AS j
@@ -408,6 +423,7 @@ WITH due AS MATERIALIZED (
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
     FROM taken WHERE j.id = taken.id AND NOT taken.done
+      AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, j.state, j.task, j.last_error
 ), streak_ended AS (
     -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
@@ -450,11 +466,13 @@ WITH due AS MATERIALIZED (
     SELECT j.id, j.attempts
     FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
     CROSS JOIN LATERAL (SELECT r.id, r.attempts, r.state FROM {schema}.jobs AS r
-                        WHERE r.id = d.id LIMIT 1) AS j
+                        WHERE r.id = d.id AND r.state IN ('scheduled', 'pending', 'running')
+                        LIMIT 1) AS j
     WHERE j.state = 'running' AND j.attempts = d.attempt
 ), taken AS MATERIALIZED (
     SELECT j.id FROM {schema}.jobs AS j
     WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
+      AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
     FOR UPDATE SKIP LOCKED
 ), requeued AS (
     UPDATE {schema}.jobs
@@ -487,9 +505,11 @@ WITH due AS MATERIALIZED (
     -- (coalesce(): a primary-key probe, as in job_ack)
     SELECT j.id, j.attempts FROM {schema}.jobs AS j
     WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND coalesce(j.state, '') = 'running'
+      AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
 ), taken AS MATERIALIZED (
     SELECT j.id FROM {schema}.jobs AS j
     WHERE j.id = ANY (ARRAY(SELECT id FROM due)) AND coalesce(j.state, '') = 'running'
+      AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
     FOR UPDATE SKIP LOCKED
 ), buried AS (
     UPDATE {schema}.jobs AS j
@@ -497,7 +517,7 @@ WITH due AS MATERIALIZED (
         last_error = CASE WHEN j.failed_attempt = j.attempts THEN j.last_error
                           ELSE %(error)s END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
-    FROM taken WHERE j.id = taken.id
+    FROM taken WHERE j.id = taken.id AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, j.state, j.task, j.last_error
 )
 SELECT d.id, d.attempts, b.id IS NOT NULL, b.state, b.task, b.last_error
@@ -540,14 +560,17 @@ SELECT (SELECT count(*) FROM promoted), (SELECT count(*) FROM woken),
 WITH RECURSIVE marked(task) AS (
     -- the task names of the marked jobs, one probe of jobs_task_paused_idx each (a loose index
     -- scan: the index holds every waiting job of a paused task, and usually nothing)
-    (SELECT task FROM {schema}.jobs WHERE task_paused ORDER BY task LIMIT 1)
+    -- (in jobs_live, 0020: a finished job's mark matters to no claim)
+    (SELECT task FROM {schema}.jobs WHERE task_paused AND state IN ('scheduled', 'pending', 'running')
+     ORDER BY task LIMIT 1)
     UNION ALL
     SELECT (SELECT j.task FROM {schema}.jobs AS j
-            WHERE j.task_paused AND j.task > m.task ORDER BY j.task LIMIT 1)
+            WHERE j.task_paused AND j.state IN ('scheduled', 'pending', 'running') AND j.task > m.task
+            ORDER BY j.task LIMIT 1)
     FROM marked AS m WHERE m.task IS NOT NULL
 ), stale AS MATERIALIZED (
     SELECT id FROM {schema}.jobs
-    WHERE task_paused
+    WHERE task_paused AND state IN ('scheduled', 'pending', 'running')
       AND task IN (SELECT m.task FROM marked AS m WHERE m.task IS NOT NULL
                    AND NOT EXISTS (SELECT 1 FROM {schema}.task_pauses AS tp
                                    WHERE tp.task = m.task))
@@ -555,7 +578,7 @@ WITH RECURSIVE marked(task) AS (
     FOR UPDATE SKIP LOCKED
 ), released AS (
     UPDATE {schema}.jobs AS j SET task_paused = false
-    FROM stale WHERE j.id = stale.id AND j.task_paused
+    FROM stale WHERE j.id = stale.id AND j.task_paused AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.queue, j.state
 ), due AS MATERIALIZED (
     SELECT id FROM {schema}.jobs
@@ -767,12 +790,13 @@ WHERE id = %(id)s;
 DELETE FROM {schema}.consumers WHERE id = %(id)s;
 
 -- name: jobs_autovacuum
--- Whether autovacuum looks after the jobs table: the server's settings and the table's own.
+-- Whether autovacuum looks after the jobs to run (jobs_live, 0020): the server's settings and
+-- the table's own.
 SELECT current_setting('autovacuum')::boolean AND current_setting('track_counts')::boolean
        AND coalesce((SELECT option_value::boolean FROM pg_options_to_table(c.reloptions)
                      WHERE option_name = 'autovacuum_enabled'), true)
 FROM pg_class AS c
-WHERE c.oid = '{schema}.jobs'::regclass;
+WHERE c.oid = '{schema}.jobs_live'::regclass;
 
 -- name: publish_duplicates_fold
 -- The counter of duplicate publishes gets a row per statement that found some (job_enqueued_ids

@@ -88,6 +88,8 @@ WITH bound AS MATERIALIZED (
            coalesce(%(task)s::text = ANY (ARRAY(SELECT tp.task FROM {schema}.task_pauses AS tp)),
                     false)
     FROM bound WHERE bound.stored
+      -- (a message whose job has finished: as in job_insert)
+      AND NOT {schema}.jobs_finished(NULL, %(task_id)s, bound.queue, %(message_digest)s)
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at, priority
 ), broadcast AS (

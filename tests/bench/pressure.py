@@ -358,7 +358,7 @@ class Monitor:
     def table(self) -> dict[str, Any]:
         row = self._one("SELECT n_dead_tup, n_live_tup, last_autovacuum, autovacuum_count, "
                         "last_autoanalyze FROM pg_stat_user_tables "
-                        "WHERE relid = 'pgbroker.jobs'::regclass")
+                        "WHERE relid = 'pgbroker.jobs_live'::regclass")
         keys = ("dead_tuples", "live_tuples", "last_autovacuum", "autovacuum_count",
                 "last_autoanalyze")
         return dict(zip(keys, row or (None,) * len(keys)))

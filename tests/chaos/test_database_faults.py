@@ -228,7 +228,7 @@ def _window(pg: psycopg.Connection, keys: list[str], start: datetime,
 
 def _dead_tuples(pg: psycopg.Connection) -> int:
     return pg.execute("SELECT n_dead_tup FROM pg_stat_user_tables"
-                      " WHERE schemaname = 'pgbroker' AND relname = 'jobs'").fetchone()[0]
+                      " WHERE schemaname = 'pgbroker' AND relname = 'jobs_live'").fetchone()[0]
 
 
 @pytest.mark.parametrize("hold", [6, pytest.param(60, marks=pytest.mark.slow)],

@@ -188,8 +188,9 @@ def _reads_of_jobs(pg: psycopg.Connection) -> int:
     (Not xact_commit: a listening session commits a transaction to read each notification,
     whatever pgbroker then does.)"""
     pg.execute("SELECT pg_stat_clear_snapshot()")
-    return pg.execute("SELECT seq_scan + idx_scan FROM pg_stat_user_tables"
-                      " WHERE relid = 'pgbroker.jobs'::regclass").fetchone()[0]
+    return pg.execute("SELECT sum(seq_scan + idx_scan)::int FROM pg_stat_user_tables"
+                      " WHERE relid IN (SELECT relid FROM pg_partition_tree('pgbroker.jobs'))"
+                      ).fetchone()[0]
 
 
 @pytest.mark.parametrize("payload", ["0 celery", "3600 celery"], ids=["due-now", "due-later"])
@@ -216,7 +217,11 @@ def test_spoofed_wake_ups_stay_cheap(producer: Celery, runs: psycopg.Connection,
         spoofed = reads_during(500)
         print(f"\n[figure] 500 spoofed {payload!r} wake-ups: {spoofed} scans of jobs by the "
               f"worker (idle over the same wait: {idle})")
-        assert spoofed - idle < 100, (spoofed, idle)
+        # A claim is at least two scans (its candidates, its UPDATE): one per wake-up would be
+        # 1,000 or more. Fewer than one scan per wake-up, not a count of 50-ms windows, which
+        # grows with the time the 500 notifications take (under load: 105 and 132 scans more
+        # than idle, over the old bound of 100).
+        assert spoofed - idle < 500, (spoofed, idle)
         ok = e2e.touch.delay("still-fast")
         wait_state(runs, ok.id, "completed")
     finally:

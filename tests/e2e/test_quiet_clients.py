@@ -21,7 +21,7 @@ AUTOVACUUM = "autovacuum is off"
 def test_inspect_and_status_leave_no_warning_on_stderr_or_in_the_worker_log(
         broker_url: str, pg: psycopg.Connection) -> None:
     # the warning's condition, whatever the server's configuration
-    pg.execute("ALTER TABLE pgbroker.jobs SET (autovacuum_enabled = false)")
+    pg.execute("ALTER TABLE pgbroker.jobs_live SET (autovacuum_enabled = false)")
     worker = start_worker(broker_url, "-c", "1", options={"sweep_interval": 0.5})
     assert worker.log().count(AUTOVACUUM) == 1  # the worker says it, once, at its start
 

@@ -97,4 +97,5 @@ def test_a_claim_given_up_on_the_old_primary_makes_its_acks_on_the_new_one(
 def waiting_for_a_lock(pg: psycopg.Connection) -> bool:
     """Whether a session of this database waits for a lock on pgbroker.jobs."""
     return pg.execute("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted"
-                      " AND relation = 'pgbroker.jobs'::regclass)").fetchone()[0]
+                      " AND relation IN (SELECT relid FROM pg_partition_tree('pgbroker.jobs')))"
+                      ).fetchone()[0]

@@ -31,9 +31,10 @@ def _short_interval(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def grow(pg: psycopg.Connection, rows: int = 20_000) -> None:
-    """Finished jobs of another queue, as a retention window holds them; no ANALYZE."""
-    pg.execute("INSERT INTO pgbroker.jobs (id, queue, body, state) "
-               "SELECT gen_random_uuid(), 'finished', '\\x00', 'completed' "
+    """Jobs of another queue waiting for their eta (finished ones no longer grow the table the
+    claim reads: jobs_done, 0020); no ANALYZE."""
+    pg.execute("INSERT INTO pgbroker.jobs (id, queue, body, state, run_at) "
+               "SELECT gen_random_uuid(), 'later', '\\x00', 'scheduled', now() + interval '1 day' "
                "FROM generate_series(1, %s)", (rows,))
     pg.commit()
 

@@ -61,7 +61,7 @@ def _claim_reads(pg: psycopg.Connection, queue: str) -> tuple[int, int]:
         return [p] + [n for c in p.get("Plans", []) for n in nodes(c)]
 
     cte = next(n for n in nodes(plan["Plan"]) if n.get("Subplan Name") == "CTE candidates")
-    scans = [n for n in nodes(cte) if n.get("Relation Name") == "jobs"]
+    scans = [n for n in nodes(cte) if n.get("Relation Name") == "jobs_live"]
     assert len(scans) == 1, scans
     return scans[0]["Actual Rows"], scans[0].get("Rows Removed by Filter", 0)
 

@@ -554,7 +554,7 @@ def test_a_worker_says_once_when_nothing_vacuums_the_jobs_table(
         return sum("autovacuum is off for pgbroker.jobs" in r.getMessage()
                    for r in caplog.records)
 
-    pg.execute("ALTER TABLE pgbroker.jobs SET (autovacuum_enabled = false)")
+    pg.execute("ALTER TABLE pgbroker.jobs_live SET (autovacuum_enabled = false)")
     pg.commit()
     assert not store.autovacuum_on()
     assert warnings_from(2) == 1
@@ -565,7 +565,7 @@ def test_a_worker_says_once_when_nothing_vacuums_the_jobs_table(
         conn.transport.lease.ensure()
     assert "autovacuum" not in caplog.text
 
-    pg.execute("ALTER TABLE pgbroker.jobs RESET (autovacuum_enabled)")
+    pg.execute("ALTER TABLE pgbroker.jobs_live RESET (autovacuum_enabled)")
     pg.commit()
     server_on = pg.execute("SELECT current_setting('autovacuum')::boolean "
                            "AND current_setting('track_counts')::boolean").fetchone()[0]

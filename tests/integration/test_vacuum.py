@@ -98,7 +98,7 @@ def test_metrics_show_the_holder(holder: psycopg.Connection, pg: psycopg.Connect
     tables = {s.labels["table"]: s.value for f in text_string_to_metric_families(text)
               for s in f.samples if s.name == "pgbroker_table_dead_tuples"}
     assert set(tables) == set(_vacuum.HOT_TABLES)
-    assert 'pgbroker_table_autovacuum{table="jobs"} 0.0' in text  # off on the test server
+    assert 'pgbroker_table_autovacuum{table="jobs_live"} 0.0' in text  # off on the test server
 
 
 def test_the_admin_page_shows_the_holder(db_url: str, client: FlaskClient) -> None:
@@ -230,8 +230,15 @@ def test_migration_0015_sets_the_hot_tables_autovacuum(pg: psycopg.Connection) -
     assert set(options) == set(_vacuum.HOT_TABLES)
     assert {"autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000",
             "autovacuum_vacuum_insert_scale_factor=0.01",
-            "autovacuum_vacuum_cost_limit=2000", "fillfactor=90"} <= set(options["jobs"])
-    for table in _vacuum.HOT_TABLES[1:]:
+            "autovacuum_vacuum_cost_limit=2000", "fillfactor=90"} <= set(options["jobs_live"])
+    # the finished jobs (0020): the same autovacuum, written once (no fillfactor)
+    assert {"autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000",
+            "autovacuum_vacuum_insert_scale_factor=0.01"} <= set(options["jobs_done"])
+    assert not any(o.startswith("fillfactor") for o in options["jobs_done"])
+    # never the ACCESS EXCLUSIVE lock of a VACUUM giving the table's end back (0020)
+    assert "vacuum_truncate=false" in options["jobs_live"]
+    assert "vacuum_truncate=false" in options["jobs_done"]
+    for table in _vacuum.HOT_TABLES[2:]:
         assert {"autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=200",
                 "autovacuum_vacuum_cost_delay=0"} <= set(options[table]), table
 
@@ -261,19 +268,19 @@ def churn(pg: psycopg.Connection) -> None:
         pg.execute("UPDATE pgbroker.consumers SET id = gen_random_uuid()")
     # the statistics arrive when the session is idle, at most once a second
     wait_for(lambda: all(dead(pg, t)[0] >= n for t, n in
-                         (("jobs", 1200), ("queues", 250), ("consumers", 250))), 15,
-             message=lambda: str([dead(pg, t) for t in ("jobs", "queues", "consumers")]))
+                         (("jobs_live", 1200), ("queues", 250), ("consumers", 250))), 15,
+             message=lambda: str([dead(pg, t) for t in ("jobs_live", "queues", "consumers")]))
 
 
 def test_with_autovacuum_off_the_sweeper_vacuums_the_hot_tables(
         store: Store, pg: psycopg.Connection) -> None:
     churn(pg)
     assert [t.table for t in _vacuum.tables(pg, "pgbroker") if t.due] == [
-        "jobs", "consumers", "queues"]
+        "jobs_live", "consumers", "queues"]
     sweeper = Sweeper(store)
     assert sweeper.run_once().vacuumed == 3
     sweeper.vacuum.wait(60)
-    for table in ("jobs", "consumers", "queues"):
+    for table in ("jobs_live", "consumers", "queues"):
         wait_for(lambda t=table: dead(pg, t)[1] is not None, 15, message=f"{table} vacuumed")
         assert dead(pg, table)[0] < 50
     assert sweeper.run_once().vacuumed == 0  # nothing due, and at most every 15 s anyway
