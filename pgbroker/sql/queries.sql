@@ -44,7 +44,9 @@ WITH keys AS MATERIALIZED (
     FROM keys AS k
     -- a message whose job has finished (jobs_done: no unique index spans the partitions,
     -- 0020_finished_partition.sql); jobs_live's unique indexes skip the rest
-    WHERE NOT {schema}.jobs_finished(%(id)s, %(task_id)s, %(queue)s, %(message_digest)s)
+    WHERE cardinality({schema}.jobs_finished_ids(
+              ARRAY[%(id)s::uuid], ARRAY[%(task_id)s::text], ARRAY[%(queue)s::text],
+              ARRAY[%(message_digest)s::bytea])) = 0
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at, priority
 )
@@ -66,7 +68,9 @@ SELECT %(id)s, %(queue)s, %(task)s, %(task_id)s, %(retries)s, %(exchange)s, %(ro
         %(body)s, %(content_type)s, %(content_encoding)s, %(headers)s, %(properties)s, 'dead',
         %(priority)s, %(max_attempts)s, %(expires_at)s, %(message_digest)s, %(error)s
 -- (the same message in either partition: jobs_done's index on it is not unique, 0020)
-WHERE NOT {schema}.jobs_finished(%(id)s, %(task_id)s, %(queue)s, %(message_digest)s, true)
+WHERE cardinality({schema}.jobs_finished_ids(
+          ARRAY[%(id)s::uuid], ARRAY[%(task_id)s::text], ARRAY[%(queue)s::text],
+          ARRAY[%(message_digest)s::bytea], true)) = 0
 ON CONFLICT DO NOTHING;
 
 -- name: job_insert_many
@@ -561,11 +565,12 @@ WITH RECURSIVE marked(task) AS (
     -- the task names of the marked jobs, one probe of jobs_task_paused_idx each (a loose index
     -- scan: the index holds every waiting job of a paused task, and usually nothing)
     -- (in jobs_live, 0020: a finished job's mark matters to no claim)
-    (SELECT task FROM {schema}.jobs WHERE task_paused AND state IN ('scheduled', 'pending', 'running')
-     ORDER BY task LIMIT 1)
+    (SELECT task FROM {schema}.jobs
+     WHERE task_paused AND state IN ('scheduled', 'pending', 'running') ORDER BY task LIMIT 1)
     UNION ALL
     SELECT (SELECT j.task FROM {schema}.jobs AS j
-            WHERE j.task_paused AND j.state IN ('scheduled', 'pending', 'running') AND j.task > m.task
+            WHERE j.task_paused AND j.state IN ('scheduled', 'pending', 'running')
+              AND j.task > m.task
             ORDER BY j.task LIMIT 1)
     FROM marked AS m WHERE m.task IS NOT NULL
 ), stale AS MATERIALIZED (
@@ -578,7 +583,8 @@ WITH RECURSIVE marked(task) AS (
     FOR UPDATE SKIP LOCKED
 ), released AS (
     UPDATE {schema}.jobs AS j SET task_paused = false
-    FROM stale WHERE j.id = stale.id AND j.task_paused AND j.state IN ('scheduled', 'pending', 'running')
+    FROM stale
+    WHERE j.id = stale.id AND j.task_paused AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.queue, j.state
 ), due AS MATERIALIZED (
     SELECT id FROM {schema}.jobs

@@ -89,7 +89,9 @@ WITH bound AS MATERIALIZED (
                     false)
     FROM bound WHERE bound.stored
       -- (a message whose job has finished: as in job_insert)
-      AND NOT {schema}.jobs_finished(NULL, %(task_id)s, bound.queue, %(message_digest)s)
+      AND cardinality({schema}.jobs_finished_ids(
+              ARRAY[NULL::uuid], ARRAY[%(task_id)s::text], ARRAY[bound.queue],
+              ARRAY[%(message_digest)s::bytea])) = 0
     ON CONFLICT DO NOTHING
     RETURNING queue, run_at, priority
 ), broadcast AS (

@@ -648,13 +648,15 @@ def run_scale(opts: Options, log_dir: str) -> dict[str, Any]:
 #: the CHECK constraints, and every index a consumer does not read (claim, ack, promote, lease
 #: sweep). Never a configuration to run: it only measures how much of the distance to RabbitMQ
 #: is the database's durable bookkeeping and how much is the client-server round trip itself.
-BARE_SQL = ("ALTER TABLE pgbroker.jobs SET UNLOGGED",
+BARE_SQL = (*(f"ALTER TABLE pgbroker.{name} SET UNLOGGED" for name in ("jobs_live", "jobs_done")),
             *(f"ALTER TABLE pgbroker.jobs DROP CONSTRAINT {name}" for name in (
                 "jobs_state_check", "jobs_attempts_check", "jobs_max_attempts_check",
                 "jobs_priority_check", "jobs_running_locked_check")),
+            # (the partitions' indexes, migration 0020)
             *(f"DROP INDEX pgbroker.{name}" for name in (
-                "jobs_expires_idx", "jobs_finished_idx", "jobs_idempotency_key_idx",
-                "jobs_message_idx", "jobs_dead_idx")))
+                "jobs_expires_idx", "jobs_idempotency_key_idx", "jobs_message_idx",
+                "jobs_done_finished_idx", "jobs_done_idempotency_key_idx",
+                "jobs_done_message_idx", "jobs_done_dead_idx")))
 
 
 BARE_LABEL = "pgbroker, bare table"

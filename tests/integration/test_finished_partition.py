@@ -26,6 +26,7 @@ from pgbroker._store import Store
 from pgbroker.migrate import MIGRATIONS, apply
 from pgbroker.ops import Operations
 from tests.integration.transport_support import new_job, store_for
+from tests.support.processes import wait_for
 
 CONSUMER = uuid.uuid4()
 
@@ -109,8 +110,11 @@ def test_a_keyed_publish_waits_for_one_of_the_same_key_in_flight(
         racer = threading.Thread(target=lambda: results.append(
             b.execute(insert, (second,)).fetchall()))
         racer.start()
-        racer.join(0.5)
-        assert racer.is_alive()  # it waits for the first publish's transaction
+        # it waits for the first publish's transaction (a lock, as pg_stat_activity says)
+        wait_for(lambda: pg.execute("SELECT wait_event_type FROM pg_stat_activity"
+                                    " WHERE pid = %s", (b.info.backend_pid,)).fetchone()
+                 == ("Lock",), 10, message="the second publish waiting for the first")
+        assert racer.is_alive()
         a.commit()
         racer.join(10)
     assert results == [[]]      # then inserts nothing, as ON CONFLICT DO NOTHING did

@@ -19,7 +19,7 @@
 --   jobs_key_free when the job is deleted. A key whose job does not exist any more (its insert
 --   was skipped on another key, a TRUNCATE) is taken over by the next publish.
 -- * a message published again (task_id, queue, message_digest) and the job's own id: the insert
---   statements skip a message whose job is in jobs_done (jobs_finished, below), and
+--   statements skip a message whose job is in jobs_done (jobs_finished_ids, below), and
 --   jobs_live's unique indexes catch the rest, as before. One case is left: a publish retried
 --   in the very instant its job's ack is moving it (the ack not yet committed) inserts it
 --   again, and it runs twice (at least once, as a lost publish reply always allowed).
@@ -67,14 +67,16 @@ DO $$
 DECLARE r record;
 BEGIN
     FOR r IN SELECT a.privilege_type AS privilege, a.is_grantable,
-                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS grantee
+                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END
+                        AS grantee
              FROM pg_class AS c, aclexplode(c.relacl) AS a
              WHERE c.oid = '{schema}.jobs_done'::regclass AND a.grantee <> c.relowner LOOP
         EXECUTE format('GRANT %s ON {schema}.jobs TO %s%s', r.privilege, r.grantee,
                        CASE WHEN r.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
     END LOOP;
     FOR r IN SELECT att.attname, a.privilege_type AS privilege, a.is_grantable,
-                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS grantee
+                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END
+                        AS grantee
              FROM pg_attribute AS att, aclexplode(att.attacl) AS a
              WHERE att.attrelid = '{schema}.jobs_done'::regclass AND att.attacl IS NOT NULL
                AND NOT att.attisdropped LOOP
@@ -145,7 +147,7 @@ ALTER TABLE {schema}.jobs_done DROP CONSTRAINT jobs_done_state;
 
 -- 5. A message published again after its job finished. The insert statements (job_insert,
 --    job_insert_many, job_fanout, job_insert_dead) skip a message whose id or (task_id, queue,
---    message_digest) is in jobs_done through these functions rather than a NOT EXISTS of their
+--    message_digest) is in jobs_done through this function rather than a NOT EXISTS of their
 --    own: a statement's plan is made with the statistics of its moment, and one cached while
 --    jobs_done was empty (a prepared statement on a producer's connection keeps a generic plan
 --    for its life) read the whole of jobs_done at every publish once it held a day of jobs --
@@ -154,32 +156,14 @@ ALTER TABLE {schema}.jobs_done DROP CONSTRAINT jobs_done_state;
 --    probes, whatever the statistics say, and plpgsql keeps the plans for the session.
 --    p_any_state: in jobs_live too (a dead letter is inserted into jobs_done, where no unique
 --    index catches a copy of a message still to run).
-CREATE FUNCTION {schema}.jobs_finished(p_id uuid, p_task_id text, p_queue text, p_digest bytea,
-                                       p_any_state boolean DEFAULT false) RETURNS boolean
-LANGUAGE plpgsql STABLE
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off AS $$
-BEGIN
-    RETURN EXISTS (SELECT 1 FROM {schema}.jobs AS d
-                   WHERE d.state IN ('completed', 'cancelled', 'expired', 'dead') AND d.id = p_id)
-        OR EXISTS (SELECT 1 FROM {schema}.jobs AS d
-                   WHERE d.state IN ('completed', 'cancelled', 'expired', 'dead')
-                     AND d.task_id = p_task_id AND d.queue = p_queue
-                     AND d.message_digest = p_digest)
-        OR (p_any_state AND EXISTS (SELECT 1 FROM {schema}.jobs AS d
-                                    WHERE d.state IN ('scheduled', 'pending', 'running')
-                                      AND d.task_id = p_task_id AND d.queue = p_queue
-                                      AND d.message_digest = p_digest));
-END
-$$;
-
--- The same for a batch (job_insert_many): the ids of those whose job has finished.
 CREATE FUNCTION {schema}.jobs_finished_ids(p_ids uuid[], p_task_ids text[], p_queues text[],
-                                           p_digests bytea[]) RETURNS uuid[]
+                                           p_digests bytea[], p_any_state boolean DEFAULT false)
+RETURNS uuid[]
 LANGUAGE plpgsql STABLE
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off AS $$
 BEGIN
+    -- the ids of the messages whose job has finished (or, p_any_state, exists at all)
     RETURN ARRAY(
         SELECT m.id FROM unnest(p_ids, p_task_ids, p_queues, p_digests)
                          AS m(id, task_id, queue, digest)
@@ -189,7 +173,11 @@ BEGIN
            OR EXISTS (SELECT 1 FROM {schema}.jobs AS d
                       WHERE d.state IN ('completed', 'cancelled', 'expired', 'dead')
                         AND d.task_id = m.task_id AND d.queue = m.queue
-                        AND d.message_digest = m.digest));
+                        AND d.message_digest = m.digest)
+           OR (p_any_state AND EXISTS (SELECT 1 FROM {schema}.jobs AS d
+                                       WHERE d.state IN ('scheduled', 'pending', 'running')
+                                         AND d.task_id = m.task_id AND d.queue = m.queue
+                                         AND d.message_digest = m.digest)));
 END
 $$;
 
