@@ -376,6 +376,20 @@ class Monitor:
             f"WHERE datname = current_database()) AND ({tests})", params)
         return None if row is None else tuple(float(v) for v in row)  # type: ignore[return-value]
 
+    def statements_now(self) -> dict[int, tuple[Any, ...]] | None:
+        """Every statement's (text, calls, ms, rows, blocks) so far, by queryid."""
+        if not self.statements:
+            return None
+        try:
+            found = self.conn.execute(
+                "SELECT queryid, left(regexp_replace(query, '\\s+', ' ', 'g'), 90), calls, "
+                "total_exec_time, rows, shared_blks_hit + shared_blks_read "
+                "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database())").fetchall()
+        except psycopg.errors.QueryCanceled:
+            return None
+        return {row[0]: row[1:] for row in found}
+
     def server(self) -> dict[str, Any]:
         names = ("autovacuum", "track_counts", "autovacuum_naptime",
                  "autovacuum_vacuum_scale_factor", "autovacuum_vacuum_threshold",
@@ -397,6 +411,24 @@ def claim_delta(before: tuple[float, ...] | None, after: tuple[float, ...] | Non
         return {"calls": 0}
     return {"calls": calls, "mean_ms": total / calls, "blocks_per_call": (hit + read) / calls,
             "hit_per_call": hit / calls, "read_per_call": read / calls}
+
+
+def statements_delta(before: dict[int, tuple[Any, ...]] | None,
+                     after: dict[int, tuple[Any, ...]] | None, top: int = 8
+                     ) -> list[dict[str, Any]] | None:
+    """The statements that took the most of the database's time between two readings."""
+    if before is None or after is None:
+        return None
+    rows = []
+    for key, (text, calls, ms, nrows, blocks) in after.items():
+        _, calls0, ms0, rows0, blocks0 = before.get(key, (text, 0, 0.0, 0, 0))
+        if calls > calls0:
+            calls_d = calls - calls0
+            rows.append({"query": text, "calls": calls_d, "total_ms": ms - ms0,
+                         "ms_per_call": (ms - ms0) / calls_d, "rows_per_call": (nrows - rows0)
+                         / calls_d, "blocks_per_call": (blocks - blocks0) / calls_d})
+    rows.sort(key=lambda r: -r["total_ms"])
+    return rows[:top]
 
 
 # -- one scenario --------------------------------------------------------------------------------
@@ -508,13 +540,16 @@ def _drive(scenario: Scenario, opts: Options, db_url: str, records: str, log_dir
                     stress = HeldXid(db_url, log)
                 elif name == "readers":
                     stress = Readers(db_url, opts.readers, opts.reader_pause, log)
-                at = {"claims": monitor.claims(), "sent": producer.sent, **monitor.depth(),
-                      **monitor.table()}
+                at = {"claims": monitor.claims(), "statements": monitor.statements_now(),
+                      "sent": producer.sent, **monitor.depth(), **monitor.table()}
                 if current > 0 and phases[current - 1].counted:
                     ended.append((phases[current - 1], {
-                        **{k: v for k, v in at.items() if k not in ("claims", "sent")},
+                        **{k: v for k, v in at.items()
+                           if k not in ("claims", "statements", "sent")},
                         "sent": at["sent"] - before["sent"],
-                        "claim": claim_delta(before["claims"], at["claims"])}))
+                        "claim": claim_delta(before["claims"], at["claims"]),
+                        "statements": statements_delta(before["statements"],
+                                                       at["statements"])}))
                 before = at
                 current += 1
             for latency, start in tail.read():
@@ -657,6 +692,13 @@ def report(result: dict[str, Any]) -> str:
         ends += [f"- {row['phase']}, its last {w['seconds']:g} s: {w['completed_per_s']:.0f}/s, "
                  f"p50 {_fmt_ms(w['p50_ms'])}, p99 {_fmt_ms(w['p99_ms'])}, depth "
                  f"{_fmt_int(w['depth'])}" for w in last]
+    for row in result.get("phases", []):
+        if row.get("statements"):
+            ends += [f"- where the database's time went in {row['phase']} (ms/call, rows/call, "
+                     "blocks/call, calls):"]
+            ends += [f"  - {s['total_ms'] / 1000:7.1f} s  {s['ms_per_call']:7.2f}  "
+                     f"{s['rows_per_call']:6.1f}  {s['blocks_per_call']:7.0f}  "
+                     f"{s['calls']:>8,}  {s['query'][:70]}" for s in row["statements"]]
     server = result.get("server") or {}
     head = (f"Pressure, {result['scenario']}: {result['what']}; commit {result['commit']}, "
             f"{result['started']}; {server.get('version', '?')}, autovacuum="
