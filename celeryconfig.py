@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from pgbroker._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL, normalize_url
+from pgbroker._pg.local_server import DEFAULT_LOCAL_URL, ENV_DATABASE_URL, normalize_url
 from ticketflow.schedule import beat_schedule as _beat_schedule
 
 # -- broker: the application's own PostgreSQL -----------------------------------------------------

@@ -6,6 +6,25 @@ only ``broker_url = "pgbroker://user@host/db"``.
 
 from __future__ import annotations
 
+from . import signals  # noqa: F401 - signals: public
+from ._celery import (
+    endings as _endings,
+)
+from ._celery import (
+    failures as _failures,
+)
+from ._celery import (
+    inspect_scheduled as _scheduled,
+)
+from ._celery import (
+    prefetch as _prefetch,
+)
+from ._celery import (
+    startup as _startup,
+)
+from ._celery.complete import complete
+from .aio import aenqueue, aenqueue_many, atransaction
+from .enqueue import enqueue, enqueue_many, transaction
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -17,12 +36,8 @@ from .errors import (
     PgBrokerError,
     SchemaError,
 )
-from .aio import aenqueue, aenqueue_many, atransaction
-from .enqueue import enqueue, enqueue_many, transaction
-from ._complete import complete
 from .migrate import migrate
 from .settings import Settings
-from . import _endings, _failures, _prefetch, _scheduled, _startup, signals  # noqa: F401 - signals: public
 from .transport import register_scheme
 
 __all__ = [

@@ -39,8 +39,10 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from . import _eager, _target, _write
-from ._connector import aconnector_for
+from ._celery import eager as _eager
+from ._produce import transaction as _target
+from ._produce import write as _write
+from ._produce.connectors import aconnector_for
 from .enqueue import BATCH_SIZE, job_for, jobs_for
 
 __all__ = ["aenqueue", "aenqueue_many", "atransaction"]
@@ -57,7 +59,8 @@ async def aenqueue(db: Any, task: Any, args: Sequence[Any] = (),
     message, the same errors. Never commits.
     """
     eager = _eager.eager_task(app, task)
-    if eager is not None:  # task_always_eager: run it now, as .delay() does (pgbroker._eager)
+    # task_always_eager: run it now, as .delay() does (pgbroker._celery.eager)
+    if eager is not None:
         _eager.checked(app, task, lambda: job_for(app, task, args, kwargs, options))
         return _eager.run(eager, args, kwargs, options.get("headers"))
     settings, job = job_for(app, task, args, kwargs, options)
@@ -72,7 +75,7 @@ async def aenqueue_many(db: Any, jobs: Iterable[Sequence[Any]], *, app: Any = No
     options)``, all checked before anything is written; the ids in input order (a duplicate's:
     the existing job's); inside a transaction the batches are pipelined.
     """
-    # task_always_eager: those run now, after the others are written (pgbroker._eager)
+    # task_always_eager: those run now, after the others are written (pgbroker._celery.eager)
     count, eager, jobs = _eager.prepare(jobs, app, lambda items: jobs_for(items, app, batch_size))
     built, json_of = jobs_for(jobs, app, batch_size)
     written = await _write.awrite(await aconnector_for(db).connection(), built, batch_size,

@@ -45,9 +45,9 @@ Limits
   by another broker.
 * Storing a result and acking its job in one transaction is not done (see below).
 * A result write whose statement fails on a living connection (disk full, a lock or statement
-  timeout) is tried a few times, a short pause apart (pgbroker._retry), before the worker acks
+  timeout) is tried a few times, a short pause apart (pgbroker._pg.retry), before the worker acks
   the task. A success that still cannot be stored is
-  recorded in its job row (pgbroker._failures), so that the ack ends the job ``dead`` with
+  recorded in its job row (pgbroker._celery.failures), so that the ack ends the job ``dead`` with
   "the task succeeded but its result could not be stored: <SQLSTATE> <message>", and
   :class:`pgbroker.errors.JobDead` is raised to Celery. A task id with no stored result whose
   job is ``dead`` reads as that FAILURE (the job's ``last_error``), never PENDING for ever; a
@@ -73,7 +73,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from time import monotonic
 from typing import Any, NamedTuple
 
@@ -88,13 +88,13 @@ from celery.result import GroupResult, allow_join_result
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps as json_dumps
 
-from . import _db
-from ._retry import TRIES, retried, statement_failure
-from ._failures import record_unstored_result
-from ._messages import MAX_ID_BYTES
-from ._sql import Queries
-from ._store import Store
-from ._text import ESCAPED, escape, escape_json, storable
+from ._celery.failures import record_unstored_result
+from ._model.message import MAX_ID_BYTES, aware
+from ._model.text import ESCAPED, escape, escape_json, storable
+from ._pg import driver as _db
+from ._pg.catalogue import Queries
+from ._pg.retry import TRIES, retried, statement_failure
+from ._pg.store import Store
 from .errors import ConfigurationError, DatabaseUnavailable, JobDead
 from .settings import Settings
 
@@ -625,7 +625,7 @@ def _bytes(value: str | bytes) -> bytes:
 
 def _text(value: Any) -> str | None:
     """A text column's value, escaped where PostgreSQL text cannot hold it (NUL, surrogates:
-    pgbroker._text.unescape gives it back)."""
+    pgbroker._model.text.unescape gives it back)."""
     if value is None:
         return None
     return escape(str(value))
@@ -646,7 +646,8 @@ def _json_or_none(value: Any) -> str | None:
 
 
 def _timestamp(value: Any) -> datetime | None:
-    """Celery's ``date_done`` (ISO 8601 text or datetime) as an aware datetime."""
+    """Celery's ``date_done`` (ISO 8601 text or datetime) as an aware datetime (a naive one:
+    UTC, as in a message)."""
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)
@@ -654,4 +655,4 @@ def _timestamp(value: Any) -> datetime | None:
             return None
     if not isinstance(value, datetime):
         return None
-    return value if value.tzinfo else value.astimezone(timezone.utc)
+    return aware(value)

@@ -58,7 +58,7 @@ Limits, stated honestly:
   as completed when beat notices it is gone (within ``max_interval``).
 
 This module is the :class:`Scheduler` only: when occurrences fall and what the policies decide
-is :mod:`pgbroker._schedule` (pure), an entry's validation and row and the operator's
+is :mod:`pgbroker._model.schedule` (pure), an entry's validation and row and the operator's
 :class:`~pgbroker.schedules.Schedules` are :mod:`pgbroker.schedules`, and ``pgbroker schedule``
 is :mod:`pgbroker.cli.schedule`.
 """
@@ -80,9 +80,8 @@ from celery import beat as celery_beat
 from kombu.utils.json import loads as kombu_loads
 from psycopg.rows import dict_row
 
-from . import _db
-from ._broker import broker_of
-from ._schedule import (
+from ._celery.app import broker_of
+from ._model.schedule import (
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
     Plan,
@@ -93,12 +92,12 @@ from ._schedule import (
     plan,
     zone_name,
 )
-from ._sql import Queries
+from ._pg import driver as _db
+from ._pg.catalogue import Queries
 from .enqueue import enqueue
 from .errors import ConfigurationError
 from .migrate import connect_ready
 from .schedules import ENQUEUE_OPTIONS, EntryConfig, Schedules, entry_config, save_entry
-from .settings import Settings
 
 __all__ = [
     "ENQUEUE_OPTIONS",
@@ -138,13 +137,6 @@ class Fired:
 
 
 
-def _broker(app: Any) -> tuple[str, Settings]:
-    """(conninfo, settings) of ``app``'s pgbroker broker, without connecting (a
-    ConfigurationError unless the broker is pgbroker)."""
-    broker = broker_of(app)
-    return broker.conninfo, broker.settings
-
-
 # -- the scheduler -------------------------------------------------------------------------------
 
 class Scheduler(celery_beat.Scheduler):
@@ -177,7 +169,8 @@ class Scheduler(celery_beat.Scheduler):
         self._configs: dict[str, EntryConfig] = {}
         self._synced = False
         self._refreshed_at = 0.0
-        self.conninfo, self.settings = _broker(app)
+        broker = broker_of(app)  # without connecting; a ConfigurationError unless pgbroker's
+        self.conninfo, self.settings = broker.conninfo, broker.settings
         self._q = Queries(self.settings.schema)
         super().__init__(app, *args, **kwargs)
 

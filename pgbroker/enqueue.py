@@ -1,9 +1,10 @@
 """Transactional, idempotent enqueue: jobs written in the caller's own transaction.
 
-The public API only; its rooms: :mod:`pgbroker._build` makes the Celery messages,
-:mod:`pgbroker._write` writes them (the parameters: :mod:`pgbroker._jobs`),
-:mod:`pgbroker._connector` finds the connection under ``db``, :mod:`pgbroker._target` holds the
-``transaction()`` block's buffer, :mod:`pgbroker._broker` tells the app's broker.
+The public API only; its rooms: :mod:`pgbroker._produce.build` makes the Celery messages,
+:mod:`pgbroker._produce.write` writes them (the parameters: :mod:`pgbroker._model.job`),
+:mod:`pgbroker._produce.connectors` finds the connection under ``db``,
+:mod:`pgbroker._produce.transaction` holds the ``transaction()`` block's buffer,
+:mod:`pgbroker._celery.app` tells the app's broker.
 
 Two ways in:
 
@@ -16,7 +17,7 @@ Two ways in:
 * ``with transaction(db):`` sends every pgbroker publish made in this thread / context
   (``.delay()``, ``.apply_async()``, ``send_task()``, ``chain``, ``group``) through ``db``
   instead of the broker's own autocommit connection. The transport's ``Channel._put`` asks
-  :func:`pgbroker._target.current_target` where to write.
+  :func:`pgbroker._produce.transaction.current_target` where to write.
 
 Limits, stated honestly:
 
@@ -41,18 +42,20 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
-from . import _eager, _target, _write
-from ._broker import settings_of
-from ._build import OPTIONS, Planned, Templates, app_of, build, unpack
-from ._connector import connector_for
-from ._jobs import NewJob
-from ._write import BATCH_SIZE
+from ._celery import eager as _eager
+from ._celery.app import settings_of
+from ._model.job import NewJob
+from ._produce import transaction as _target
+from ._produce import write as _write
+from ._produce.build import OPTIONS, Planned, Templates, app_of, build, unpack
+from ._produce.connectors import connector_for
+from ._produce.write import BATCH_SIZE
 from .settings import Settings
 
 __all__ = ["enqueue", "enqueue_many", "transaction", "OPTIONS", "BATCH_SIZE"]
 
 #: A ``db`` argument: SQLAlchemy ``Session``/``Connection`` (psycopg 3 driver), a Django
-#: connection or psycopg 3 ``Connection``: see :mod:`pgbroker._connector`.
+#: connection or psycopg 3 ``Connection``: see :mod:`pgbroker._produce.connectors`.
 Db = Any
 
 
@@ -67,7 +70,7 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
     """Write one Celery task message in ``db``'s current transaction; return the job's id.
 
     Under ``task_always_eager`` a task the app knows runs now instead, as ``.delay()`` runs it,
-    and its task id is returned (:mod:`pgbroker._eager`).
+    and its task id is returned (:mod:`pgbroker._celery.eager`).
 
     Args:
         db: a SQLAlchemy ``Session`` or ``Connection`` (``postgresql+psycopg://``) or a psycopg 3
@@ -100,7 +103,8 @@ def enqueue(db: Db, task: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] 
         "headers": headers, "dedupe_key": dedupe_key, "dedupe_active": dedupe_active,
         "concurrency_key": concurrency_key, "concurrency_limit": concurrency_limit}
     eager = _eager.eager_task(app, task)
-    if eager is not None:  # task_always_eager: run it now, as .delay() does (pgbroker._eager)
+    # task_always_eager: run it now, as .delay() does (pgbroker._celery.eager)
+    if eager is not None:
         _eager.checked(app, task, lambda: job_for(app, task, args, kwargs, options))
         return _eager.run(eager, args, kwargs, headers)
     settings, job = job_for(app, task, args, kwargs, options)
@@ -119,10 +123,10 @@ def enqueue_many(db: Db, jobs: Iterable[Sequence[Any]], *, app: Any = None,
     transaction the batches are pipelined too: the database inserts one while the next is sent.
 
     The messages are those :func:`enqueue` writes, but for the ids made for each; most of a
-    batch's are made from the first of their kind (see :class:`pgbroker._build.Templates`),
+    batch's are made from the first of their kind (see :class:`pgbroker._produce.build.Templates`),
     which is much faster.
     """
-    # task_always_eager: those run now, after the others are written (pgbroker._eager)
+    # task_always_eager: those run now, after the others are written (pgbroker._celery.eager)
     count, eager, jobs = _eager.prepare(jobs, app, lambda items: jobs_for(items, app, batch_size))
     built, json_of = jobs_for(jobs, app, batch_size)
     written = _write.write(connector_for(db).connection(), built, batch_size, json_of) if built \

@@ -14,7 +14,7 @@
      └── JobDead                              AsyncResult.get(): the task's job ended dead and no
                                               result of it is stored (the message says why)
 
-Driver errors are translated in :mod:`pgbroker._db` with ``__cause__`` kept.
+Driver errors are translated in :mod:`pgbroker._pg.driver` with ``__cause__`` kept.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ read, so nothing can be told).
 * **vacuum**: nothing has held back VACUUM's horizon for longer than ``max_age`` seconds (or
   ``max_xid_age`` transactions: a replication slot, or another role's session seen without
   pg_read_all_stats, has no age in seconds); the holders and the hot tables' dead row versions
-  are in the details (:mod:`pgbroker._vacuum`).
+  are in the details (:mod:`pgbroker._pg.vacuum`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any
 
 import psycopg
 
-from ._schedule import grid_from_spec
-from ._sql import Queries
-from ._vacuum import read as read_vacuum
+from ._model.schedule import grid_from_spec
+from ._pg.catalogue import Queries
+from ._pg.vacuum import read as read_vacuum
 from .errors import ConfigurationError
 from .sweeper import lock_class
 

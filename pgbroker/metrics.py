@@ -7,7 +7,7 @@ completed / retried / cancelled / expired jobs of the retention window (retried:
 task sent a Celery retry, acked ``completed``, its task going on in a new job: not completed).
 Per queue: paused, consumers alive, publishes ever dropped as duplicates (``publish_duplicates``).
 Per enabled beat entry: the age of its last completed run (``pgbroker.beat``'s
-``beat_status`` view). VACUUM's side (:mod:`pgbroker._vacuum`): the oldest transactions,
+``beat_status`` view). VACUUM's side (:mod:`pgbroker._pg.vacuum`): the oldest transactions,
 snapshots, prepared transactions, replication slots and standbys holding back its horizon, and
 the hot tables' live and dead row versions and last vacuum.
 
@@ -41,9 +41,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from . import _db
-from ._sql import Queries
-from ._vacuum import VacuumReport, read as read_vacuum
+
+from ._pg import driver as _db
+from ._pg.catalogue import Queries
+from ._pg.vacuum import VacuumReport
+from ._pg.vacuum import read as read_vacuum
 from .settings import Settings
 
 __all__ = ["MetricsReader", "QueueStats", "Snapshot", "TaskStats", "is_internal_queue",

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from . import _db
+from ._pg import driver as _db
 from .errors import SchemaError
 from .settings import Settings
 

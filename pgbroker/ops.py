@@ -30,7 +30,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from . import signals
-from ._sql import Queries
+from ._pg.catalogue import Queries
 from .errors import OperationError
 from .settings import Settings
 

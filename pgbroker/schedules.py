@@ -23,10 +23,10 @@ from kombu.utils.json import dumps as kombu_dumps
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from . import _db
-from ._build import check_options  # enqueue's own option checks, run at start-up
-from ._schedule import MISFIRE_POLICIES, OVERLAP_POLICIES, Grid, grid_from_spec, grid_of
-from ._sql import Queries
+from ._model.schedule import MISFIRE_POLICIES, OVERLAP_POLICIES, Grid, grid_from_spec, grid_of
+from ._pg import driver as _db
+from ._pg.catalogue import Queries
+from ._produce.build import check_options  # enqueue's own option checks, run at start-up
 from .errors import ConfigurationError, OperationError
 from .settings import Settings
 

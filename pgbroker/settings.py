@@ -3,7 +3,7 @@
 Every option has a named default here; an unknown option is an error that names the closest
 known one, so a typo in ``broker_transport_options`` never passes silently. Options of other
 transports (Redis's ``visibility_timeout``, ``polling_interval``...) are mapped or warned about by
-:mod:`pgbroker._foreign_options`.
+:mod:`pgbroker._model.foreign_options`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._foreign_options import translate
-from ._ratelimits import RateLimit, parse_rate_limits
+from ._model.foreign_options import translate
+from ._model.rate_limits import RateLimit, parse_rate_limits
 from .errors import ConfigurationError
 
 __all__ = ["Settings"]

@@ -1,7 +1,7 @@
 """The sweeper: orphan rescue, expiry, promotion of due scheduled jobs, retention pruning, the
 per-minute statistics of the admin page's charts, the folding of the duplicate-publish
 counter, a VACUUM of the hot tables when autovacuum does not look after them, and a WARNING
-when VACUUM's horizon is held too long (``xmin_warn_after``; :mod:`pgbroker._vacuum`).
+when VACUUM's horizon is held too long (``xmin_warn_after``; :mod:`pgbroker._pg.vacuum`).
 
 ``Sweeper.run_once()`` does one pass and returns what it changed; it runs inside every consuming
 worker (from its lease thread) and as ``pgbroker sweep``. ``run_once(now=...)`` does the pass as
@@ -28,8 +28,8 @@ from typing import TypeVar
 
 import psycopg
 
-from ._store import Store
-from ._vacuum import HorizonGuard, VacuumFallback
+from ._pg.store import Store
+from ._pg.vacuum import HorizonGuard, VacuumFallback
 
 __all__ = ["Sweeper", "SweepResult", "lock_class"]
 

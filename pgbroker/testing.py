@@ -38,10 +38,10 @@ import psycopg
 from celery import current_app
 from kombu.serialization import loads, prepare_accept_content
 
-from . import _db
-from ._broker import broker_of
-from ._connector import connector_for
-from ._sql import Queries
+from ._celery.app import broker_of
+from ._pg import driver as _db
+from ._pg.catalogue import Queries
+from ._produce.connectors import connector_for
 
 __all__ = ["EnqueuedJob", "Ran", "assert_enqueued", "clear_enqueued", "enqueued",
            "refute_enqueued", "run_enqueued"]

@@ -27,15 +27,15 @@ See :class:`pgbroker.settings.Settings`: ``schema``, ``auto_migrate``, ``max_att
 ``max_header_size``, ``connect_timeout``, ``durable_publish``, ``durable_acks``,
 ``require_idempotency_key``; kombu's ``deadletter_queue`` takes unroutable messages (else they
 are kept dead in ``pgbroker.unroutable``). Options of other transports (``polling_interval``,
-``visibility_timeout``...) are read as pgbroker's or warned about: :mod:`pgbroker._foreign_options`.
-Unknown options are an error.
+``visibility_timeout``...) are read as pgbroker's or warned about:
+:mod:`pgbroker._model.foreign_options`. Unknown options are an error.
 
 This module is kombu glue: ``Channel`` and ``QoS`` call the connection's
-:class:`pgbroker._consumer.Consumer` (LISTEN, claims, timers, the event loop, acks), the
-channel's :class:`pgbroker._publish.Publisher` (where a published message is written) and the
-connection's :class:`pgbroker._store.Store` (the other statements: declarations, bindings,
-``basic_get``); every message check is in :mod:`pgbroker._messages`, the URL handling in
-:mod:`pgbroker._db`.
+:class:`pgbroker._consume.consumer.Consumer` (LISTEN, claims, timers, the event loop, acks), the
+channel's :class:`pgbroker._produce.publish.Publisher` (where a published message is written) and
+the connection's :class:`pgbroker._pg.store.Store` (the other statements: declarations, bindings,
+``basic_get``); every message check is in :mod:`pgbroker._model.message`, the URL handling in
+:mod:`pgbroker._pg.driver`.
 """
 
 from __future__ import annotations
@@ -50,15 +50,14 @@ from typing import Any
 import psycopg
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.transport.virtual.base import UNDELIVERABLE_FMT, UndeliverableWarning
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
-from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from . import _db
-from ._claims import ClaimPolicy
-from ._consumer import Consumer
-from ._lease import Lease
-from ._messages import (
+from ._consume.claim_policy import ClaimPolicy
+from ._consume.consumer import Consumer
+from ._consume.lease import Lease
+from ._model.message import (
     MAX_NAME_LENGTH,
     REQUEUED,
     TRANSIENT,
@@ -67,10 +66,11 @@ from ._messages import (
     validate_binding,
     validate_queue_name,
 )
-from ._publish import UNROUTABLE, Publisher
-from ._routing import RoutingDirectExchange, RoutingTopicExchange, matches
-from ._shared_store import acquire, release
-from ._store import Store
+from ._model.routing import RoutingDirectExchange, RoutingTopicExchange, matches
+from ._pg import driver as _db
+from ._pg.process_store import acquire, release
+from ._pg.store import Store
+from ._produce.publish import UNROUTABLE, Publisher
 from .errors import MessageError
 from .settings import Settings
 
@@ -524,7 +524,8 @@ class Transport(virtual.Transport):
     def verify_connection(self, connection: Any) -> bool:
         return self.store.conn is not None
 
-    # -- consuming: the worker's event loop, or drain_events (pgbroker._consumer) --------------
+    # -- consuming: the worker's event loop, or drain_events (pgbroker._consume.consumer)
+    # --------------
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         self.consumer.register(loop)

@@ -2,7 +2,7 @@
 
 Database layout of a test session (procrastinate's and psycopg's pattern):
 
-* ``database_url`` — the server found by :func:`pgbroker._localdb.resolve_database_url`
+* ``database_url`` — the server found by :func:`pgbroker._pg.local_server.resolve_database_url`
   (``PGBROKER_DATABASE_URL``, else the local server on 127.0.0.1:5432, else an embedded one).
 * ``template_db`` — one database per session, migrated once with ``pgbroker.migrate.migrate``.
 * ``db_url`` — a fresh copy of the template for each test (``CREATE DATABASE ... TEMPLATE``), so a
@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgbroker._localdb import admin_url, resolve_database_url
+from pgbroker._pg.local_server import admin_url, resolve_database_url
 from tests.support.databases import create_database, drop_database
 from tests.support import processes
 

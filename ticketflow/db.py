@@ -21,9 +21,9 @@ from psycopg import sql
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
-from pgbroker import _db
-from pgbroker._db import mask_password
-from pgbroker._localdb import admin_url, normalize_url, resolve_database_url
+from pgbroker._pg import driver as _db
+from pgbroker._pg.driver import mask_password
+from pgbroker._pg.local_server import admin_url, normalize_url, resolve_database_url
 from pgbroker.errors import ConfigurationError, DatabaseUnavailable
 from pgbroker.migrate import apply, load
 
@@ -51,7 +51,7 @@ def database_url(app: Any = None) -> str:
 def resolve_url(url: str | None = None, purpose: str = "ticketflow") -> str:
     """``url`` (any accepted form), else the server this machine offers
     (``PGBROKER_DATABASE_URL``, 127.0.0.1:5432, or an embedded server started now: see
-    :func:`pgbroker._localdb.resolve_database_url`), as a ``postgresql://`` URL.
+    :func:`pgbroker._pg.local_server.resolve_database_url`), as a ``postgresql://`` URL.
 
     Raises:
         ConfigurationError: the URL is not a PostgreSQL URL.

@@ -50,8 +50,8 @@ from typing import Any, TextIO
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from pgbroker._db import mask_password
-from pgbroker._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
+from pgbroker._pg.driver import mask_password
+from pgbroker._pg.local_server import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from pgbroker.errors import ConfigurationError
 from pgbroker.migrate import migrate as migrate_pgbroker
 from pgbroker.settings import Settings

@@ -17,8 +17,8 @@ import secrets
 from flask import Flask
 from psycopg_pool import ConnectionPool
 
-from .. import _db
-from .._sql import Queries
+from .._pg import driver as _db
+from .._pg.catalogue import Queries
 from ..metrics import MetricsReader, prometheus_registry
 from ..migrate import check as check_schema
 from ..settings import Settings

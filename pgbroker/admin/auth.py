@@ -46,7 +46,7 @@ from typing import Any
 
 import psycopg
 
-from .._sql import Queries
+from .._pg.catalogue import Queries
 from ..errors import ConfigurationError
 
 __all__ = ["Credentials", "Login", "LoginThrottle", "OPERATOR", "VIEWER", "Throttled",

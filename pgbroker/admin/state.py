@@ -16,7 +16,7 @@ import psycopg
 from flask import Response, current_app, g, redirect, request
 from psycopg_pool import ConnectionPool
 
-from .._sql import Queries
+from .._pg.catalogue import Queries
 from ..errors import DatabaseUnavailable
 from ..metrics import MetricsReader, Snapshot
 from ..ops import Operations

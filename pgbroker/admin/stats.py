@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from .._sql import Queries
+from .._pg.catalogue import Queries
 
 __all__ = ["RANGES", "Charts", "Histogram", "Point", "TaskRow", "Window", "read", "window"]
 

@@ -16,15 +16,14 @@ from typing import Any
 
 import psycopg
 from celery.app.utils import find_app
-from kombu.transport import resolve_transport
 
-from .. import _db
-from .._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
+from .._celery.app import broker_of
+from .._pg import driver as _db
+from .._pg.local_server import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from ..errors import ConfigurationError
 from ..migrate import check
 from ..ops import Operations, os_user
 from ..settings import Settings
-from ..transport import Transport
 
 __all__ = ["Target", "connect", "fmt", "first_line", "progress", "table", "target", "to_json",
            "url_of", "with_ops"]
@@ -120,22 +119,8 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
     except Exception as exc:  # noqa: BLE001 - an import error, a syntax error, a bad name
         raise ConfigurationError(f"cannot load the Celery app {name!r}: "
                                  f"{type(exc).__name__}: {exc}") from exc
-    url = str(app.conf.broker_write_url or app.conf.broker_url or "amqp://")
-    scheme = url.partition("://")[0].partition("+")[0]  # pgbroker+postgresql:// -> pgbroker
-    try:
-        transport_cls = resolve_transport(scheme)
-    except Exception:  # noqa: BLE001 - KeyError for a name kombu does not know
-        transport_cls = None
-    if not (isinstance(transport_cls, type) and issubclass(transport_cls, Transport)):
-        raise ConfigurationError(f"the Celery app {name!r} uses the {scheme!r} broker, not "
-                                 "pgbroker (broker_url = 'pgbroker://user@host/db')")
-    try:
-        conn = app.connection_for_write()  # no I/O: kombu parses the URL
-    except Exception as exc:  # noqa: BLE001 - a malformed URL
-        raise ConfigurationError(f"the Celery app {name!r} has an unusable broker_url: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-    transport = conn.transport  # no I/O either; as_uri masks the password
-    return transport.conninfo, _db.libpq_url(conn.as_uri()), transport.settings
+    broker = broker_of(app, name)
+    return broker.conninfo, _db.mask_password(broker.conninfo), broker.settings
 
 
 def url_of(args: argparse.Namespace) -> str:

@@ -21,10 +21,10 @@ from typing import Any
 from celery.app.utils import find_app
 
 from .. import health
-from .._messages import message_to_job
-from .._revoke import RevokeRequest, apply, pidbox_message
-from .._store import Store
-from .._vacuum import VacuumReport
+from .._model.message import message_to_job
+from .._pg.store import Store
+from .._pg.vacuum import VacuumReport
+from .._produce.revoke import RevokeRequest, apply, pidbox_message
 from ..errors import ConfigurationError, OperationError, PgBrokerError
 from ..metrics import MetricsReader
 from ..migrate import latest_version, migrate

@@ -12,11 +12,12 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from .._localdb import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
+from .._pg.local_server import DEFAULT_LOCAL_URL, ENV_DATABASE_URL
 from ..migrate import LOCK_TIMEOUT
 from ..ops import DEFAULT_BATCH_SIZE, IDLE_QUEUE_SECONDS, JOB_STATES
 from ..settings import Settings
 from . import schedule, tasks
+from ._support import with_ops
 from .commands import (
     cmd_audit,
     cmd_cancel,
@@ -36,7 +37,6 @@ from .commands import (
     consumer_id,
     dead_action,
 )
-from ._support import with_ops
 
 __all__ = ["DESCRIPTION", "build_parser", "fill_defaults"]
 

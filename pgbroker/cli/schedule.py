@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import schedules as celery_schedules
 
-from .._schedule import MISFIRE_POLICIES, OVERLAP_POLICIES
+from .._model.schedule import MISFIRE_POLICIES, OVERLAP_POLICIES
 from ..errors import OperationError
 from ..ops import os_user
 from ..schedules import Schedules

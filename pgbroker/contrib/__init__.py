@@ -1,3 +1,3 @@
-"""Integrations with other libraries: the connectors for their connections
-(``sqlalchemy_connector``, ``django_connector``: see :mod:`pgbroker._connector`), imported only
-for a connection of theirs, and Django's app and user API (``django``: ``INSTALLED_APPS``)."""
+"""Integrations with other libraries that a user names: Django's app and user API (``django``:
+``INSTALLED_APPS``). The connectors under a caller's connection are
+:mod:`pgbroker._produce.connectors`."""

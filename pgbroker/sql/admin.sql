@@ -332,7 +332,7 @@ FROM {schema}.jobs AS j WHERE j.id = %(id)s;
 SELECT id, queue, state, retries, attempts, max_attempts, created_at, run_at, locked_at,
        updated_at, last_error, revoked_at,
        -- retried: this try sent a Celery retry and was acked 'completed' (retried_attempt,
-       -- pgbroker._endings); a row acked before migration 0018 tells it by its next try
+       -- pgbroker._celery.endings); a row acked before migration 0018 tells it by its next try
        state = 'completed'
        AND (coalesce(retried_attempt = attempts, false)
             OR coalesce(lead(retries) OVER (ORDER BY retries, id) > retries, false)) AS retried
@@ -358,7 +358,7 @@ FROM {schema}.results WHERE task_id = %(task_id)s;
 
 -- name: admin_connection_setup
 -- Each pooled connection of the admin page, once: UTC, as every pgbroker connection
--- (pgbroker._db.connect); and no JIT -- its reads are short, over partial indexes, and JIT
+-- (pgbroker._pg.driver.connect); and no JIT -- its reads are short, over partial indexes, and JIT
 -- compiling (its cost model counts rows the indexes never read) took longer than the queries.
 SELECT set_config('TimeZone', 'UTC', false), set_config('jit', 'off', false);
 

@@ -1,4 +1,4 @@
--- How a delivery ended, in the two cases only its worker can tell (pgbroker/_endings.py, from
+-- How a delivery ended, in the two cases only its worker can tell (pgbroker/_celery/endings.py, from
 -- Celery's signals; columns: migration 0018). Each matches the delivery by (id, attempt), as
 -- job_fail does: a late report of an older delivery of a job redelivered since changes nothing.
 -- {schema} is the quoted schema name; every value is a bound parameter.

@@ -54,7 +54,7 @@ ORDER BY e.name;
 SELECT enabled, removed_at IS NOT NULL AS removed FROM {schema}.beat_schedule WHERE name = %(name)s;
 
 -- name: horizon_holders
--- What holds back VACUUM's horizon in this database (pgbroker._vacuum), oldest first: VACUUM
+-- What holds back VACUUM's horizon in this database (pgbroker._pg.vacuum), oldest first: VACUUM
 -- removes no row version that died after the oldest of these began, in any table. Every kind
 -- PostgreSQL counts (ComputeXidHorizons): sessions, prepared transactions, replication slots,
 -- standbys with hot_standby_feedback. %(now)s (NULL: now()) is the clock of the ages in seconds.
@@ -118,7 +118,7 @@ LIMIT %(limit)s;
 -- pgbroker's hot tables (%(tables)s, in that order): live and dead row versions, when they were
 -- last vacuumed (by hand or by autovacuum), whether autovacuum looks after each (the server's
 -- autovacuum and track_counts, and the table's autovacuum_enabled), and whether the sweeper's
--- fallback is due to vacuum it (pgbroker._vacuum): not looked after, more dead versions than
+-- fallback is due to vacuum it (pgbroker._pg.vacuum): not looked after, more dead versions than
 -- autovacuum's own trigger would allow (the table's threshold and scale factor, migration
 -- 0015, else the server's), and not vacuumed in the last %(interval)s seconds (a VACUUM cannot
 -- remove what a held horizon keeps: it must not run again and again for nothing).

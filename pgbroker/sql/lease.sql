@@ -1,4 +1,4 @@
--- The consumer lease's own statements (pgbroker/_lease.py). Loaded with queries.sql.
+-- The consumer lease's own statements (pgbroker/_consume/lease.py). Loaded with queries.sql.
 
 -- name: consumer_lock_try
 -- The consumer's session advisory lock, taken before its row is written: a sweeper that sees

@@ -1,4 +1,4 @@
--- The job keys' tables: rate limits (pgbroker._ratelimits) and concurrency keys (read by job_claim).
+-- The job keys' tables: rate limits (pgbroker._consume.rate_limits) and concurrency keys (read by job_claim).
 
 -- name: rate_limits_set
 -- The configured limits, as a consumer starts: the ones not given are removed, the others

@@ -57,7 +57,7 @@ FROM {schema}.jobs WHERE state = 'dead' GROUP BY queue, task;
 -- the rows finished since the previous one (pgbroker.metrics keeps the per-minute counts of the
 -- retention window in memory). A NULL %(since)s counts the whole window once, at the first scrape.
 -- A completed try whose task sent a Celery retry counts as 'retried' (retried_attempt, set by
--- pgbroker._endings before its ack; migration 0018): its task went on in a new job.
+-- pgbroker._celery.endings before its ack; migration 0018): its task went on in a new job.
 SELECT date_trunc('minute', updated_at) AS minute, queue, task,
        CASE WHEN retried_attempt = attempts AND state = 'completed' THEN 'retried'
             ELSE state END AS state,

@@ -1,4 +1,4 @@
--- pgbroker's queries: named blocks, loaded once by pgbroker/_store.py.
+-- pgbroker's queries: named blocks, loaded once by pgbroker/_pg/store.py.
 -- {schema} is the quoted schema name; every value is a bound parameter.
 -- The sweeper's statements measure their horizons (lease, expiry, due time, retention) from
 -- %(now)s, the time its pass acts at (Sweeper.run_once(now=...)); NULL is the database's now().
@@ -13,7 +13,7 @@
 -- wakes nobody and returns no row; the caller then runs job_enqueued_ids, which counts it and
 -- names the job it duplicates.
 WITH keys AS MATERIALIZED (
-    -- the job keys of the headers (checked at publish: pgbroker._jobkeys)
+    -- the job keys of the headers (checked at publish: pgbroker._model.keys)
     SELECT %(headers)s::jsonb ->> 'dedupe_key' AS dedupe_key,
            coalesce((%(headers)s::jsonb ->> 'dedupe_active')::boolean, false) AS dedupe_active,
            %(headers)s::jsonb ->> 'concurrency_key' AS concurrency_key,
@@ -136,7 +136,7 @@ SELECT m.id FROM m WHERE NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.id = m.
 -- A gated queue -- one that has held a job with a concurrency key, or any queue while a rate
 -- limit exists (gated_queues, filled by triggers: 0010_job_keys.sql) -- is claimed by job_claim_gated instead:
 -- here it yields no job, only a marker row (id NULL) that tells the consumer so
--- (pgbroker._claims.ClaimPolicy); its acks are made all the same. The gate is read in this
+-- (pgbroker._consume.claim_policy.ClaimPolicy); its acks are made all the same. The gate is read in this
 -- statement's snapshot, as its candidates are: a keyed job it could see, it sees gated.
 WITH candidates AS MATERIALIZED (
     -- MATERIALIZED: an optimisation fence, so the planner cannot fold this into the UPDATE and
@@ -172,7 +172,7 @@ WITH candidates AS MATERIALIZED (
       AND (expires_at IS NULL OR expires_at > now())
       -- The walk starts after the consumer's cursor, an index condition: the entries behind it
       -- -- the rows claimed before, whose dead versions VACUUM may not be allowed to remove --
-      -- are never read again (0014_claim_cursor.sql; pgbroker._claims.ClaimPolicy). The head
+      -- are never read again (0014_claim_cursor.sql; pgbroker._consume.claim_policy.ClaimPolicy). The head
       -- of the queue is (-256, '0001-01-01', the nil uuid).
       AND (-priority, run_at, id) > (%(after_priority)s::smallint, %(after_run_at)s::timestamptz,
                                      %(after_id)s::uuid)

@@ -1,5 +1,5 @@
--- Celery's remote control over the jobs table: the durable revoke (pgbroker/_revoke.py) and the
--- scheduled jobs `celery inspect scheduled` lists (pgbroker/_scheduled.py). Loaded with
+-- Celery's remote control over the jobs table: the durable revoke (pgbroker/_produce/revoke.py) and the
+-- scheduled jobs `celery inspect scheduled` lists (pgbroker/_celery/inspect_scheduled.py). Loaded with
 -- queries.sql.
 
 -- name: job_revoke

@@ -145,7 +145,7 @@ WHERE id IN (SELECT id FROM {schema}.broadcasts
 -- consumed or declared for that long are deleted, with their bindings (cascade) and the
 -- messages nobody will read. Dead letters stay. A queue row another session holds locked is
 -- skipped (SKIP LOCKED); a locked message or binding of one makes the statement give up after
--- the maintenance lock_timeout (pgbroker._store), until the next sweep. %(now)s: the sweeper's
+-- the maintenance lock_timeout (pgbroker._pg.store), until the next sweep. %(now)s: the sweeper's
 -- clock (NULL is now()).
 WITH idle AS MATERIALIZED (
     SELECT q.name FROM {schema}.queues AS q

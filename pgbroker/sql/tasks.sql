@@ -1,6 +1,6 @@
 -- Per task name: the losses that point to it (0019_loss_evidence.sql), pausing and resuming a
 -- task name (pgbroker/_pause.py, pgbroker.ops), and a task completing its own delivery in its own
--- transaction (pgbroker/_complete.py). {schema} is the quoted schema name; every value is a bound
+-- transaction (pgbroker/_celery/complete.py). {schema} is the quoted schema name; every value is a bound
 -- parameter. Tables: migrations 0009 and 0019.
 
 -- name: task_loss_record

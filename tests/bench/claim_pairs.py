@@ -5,7 +5,7 @@ hits both alike. Prints the medians and the median of the pairs' ratios (this tr
 
     python -m tests.bench.claim_pairs [--against REV] [--pairs N] [--server URL] [--own-schema]
 
-Both statements are sent without their comment lines, as pgbroker._sql sends its own.
+Both statements are sent without their comment lines, as pgbroker._pg.catalogue sends its own.
 ``--own-schema``: each on a database migrated by its own revision (a change to an index).
 
 A statement-level ratio, not a drain rate: the worker's drain spends most of its time elsewhere
@@ -25,8 +25,8 @@ import uuid
 
 import psycopg
 
-from pgbroker._claims import after_params
-from pgbroker._sql import queries, without_comment_lines
+from pgbroker._model.claimed import after_params
+from pgbroker._pg.catalogue import queries, without_comment_lines
 from pgbroker.migrate import Migration, apply
 from tests.bench.harness import DEFAULT_SERVER_URL, bench_database, empty_database, fill
 from tests.support.processes import REPO_ROOT
@@ -39,7 +39,7 @@ WARMUP = 50  # pairs left out: the first executions prepare and plan
 
 def claim_of(rev: str, name: str = "job_claim") -> str:
     """``job_claim`` (or statement ``name``) as the revision ``rev`` of sql/queries.sql has it,
-    sent as this tree sends its own (without the comment lines: pgbroker._sql)."""
+    sent as this tree sends its own (without the comment lines: pgbroker._pg.catalogue)."""
     text = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{rev}:pgbroker/sql/queries.sql"],
                           capture_output=True, text=True, check=True).stdout
     parts = re.split(r"^-- name: (\w+)\s*$", text, flags=re.M)

@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.migrate import migrate
 from pgbroker.settings import Settings
 

@@ -21,7 +21,7 @@ import time
 
 import psycopg
 
-from pgbroker._localdb import admin_url, resolve_database_url
+from pgbroker._pg.local_server import admin_url, resolve_database_url
 from tests.support.databases import create_database, drop_database
 from tests.support.processes import REPO_ROOT
 

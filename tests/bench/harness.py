@@ -424,7 +424,7 @@ def pgbench_scripts(db_url: str, sample: dict[str, Any], batch: int = 10) -> tup
     claim of the same pgbench client returned (\\gset), exactly as the worker folds its acks into
     its next claim; the claimed rows are aggregated server-side instead of being sent back.
     """
-    from pgbroker._sql import queries
+    from pgbroker._pg.catalogue import queries
 
     q = queries(PGBENCH_SCHEMA)
     with psycopg.connect(db_url) as conn:
@@ -833,7 +833,7 @@ def statement_costs(db_url: str, seconds: float = 1.0, rounds: int = 3) -> dict[
     what a draining worker runs, through pgbroker's own Store, against a bare round trip. Only
     the named statement is timed; the untimed claims and acks around it keep the number of
     running rows as small as in a worker with two pool processes."""
-    from pgbroker._store import Store
+    from pgbroker._pg.store import Store
     from pgbroker.settings import Settings
 
     execute(db_url, "TRUNCATE pgbroker.jobs")

@@ -17,8 +17,8 @@ import uuid
 
 import psycopg
 
-from pgbroker._jobs import NewJob, row_params
-from pgbroker._sql import queries
+from pgbroker._model.job import NewJob, row_params
+from pgbroker._pg.catalogue import queries
 from tests.bench.claim_pairs import WARMUP, arguments, claim_of, report
 from tests.bench.harness import bench_database
 

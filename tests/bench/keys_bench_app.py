@@ -16,7 +16,7 @@ import psycopg
 from celery import Celery
 
 import pgbroker
-from pgbroker._localdb import normalize_url
+from pgbroker._pg.local_server import normalize_url
 from pgbroker.migrate import migrate
 
 BROKER_URL = os.environ["PGBROKER_TEST_BROKER_URL"]

@@ -322,7 +322,7 @@ class Readers:
 def claim_prefixes() -> list[str]:
     """The text of pgbroker's claim statements up to their first parameter or constant (which
     pg_stat_statements shows as ``$n``); each prefix is that statement's alone."""
-    from pgbroker._sql import queries
+    from pgbroker._pg.catalogue import queries
 
     texts = queries("pgbroker")
     return [re.split(r"%\(|'|\b\d", texts[name])[0] for name in CLAIM_STATEMENTS

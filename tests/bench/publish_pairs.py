@@ -38,8 +38,8 @@ def child(server: str, mode: str, fast: bool) -> None:
     import uuid6
 
     import pgbroker
-    from pgbroker._jobs import NewJob, row_params
-    from pgbroker._sql import queries
+    from pgbroker._model.job import NewJob, row_params
+    from pgbroker._pg.catalogue import queries
     from tests.bench.benchapp import TASK_NAME, make_app
     from tests.bench.harness import bench_database
 

@@ -16,8 +16,9 @@ minutes: a producer process writes batches of 1,000 with ``Store.insert_many`` (
 ``enqueue_many``), keeping at most ``--backlog`` jobs waiting; ``--consumers`` processes each
 claim up to 100 jobs a statement with the previous batch's acks folded in (``Store.claim``, as
 the transport's event loop does), starting after their cursor and from the head every sixth
-claim (pgbroker._claims.ClaimPolicy's rule). With autovacuum off the monitor runs the sweeper's
-VACUUM fallback (pgbroker._vacuum.VacuumFallback) every 15 s, as every worker's sweeper does.
+claim (pgbroker._consume.claim_policy.ClaimPolicy's rule). With autovacuum off the monitor runs the
+sweeper's VACUUM fallback (pgbroker._pg.vacuum.VacuumFallback) every 15 s, as every worker's sweeper
+does.
 
 Printed: a line per sample, then a table; ``soak-<autovacuum>.json`` in ``--out`` holds every
 figure, and ``--plot`` draws the claim and the sizes against tasks done (matplotlib, the ``bench`` extra). Nothing is
@@ -43,10 +44,10 @@ from typing import Any
 import psycopg
 import uuid6
 
-from pgbroker import _vacuum
-from pgbroker._claims import HEAD
-from pgbroker._jobs import NewJob
-from pgbroker._store import Store
+from pgbroker._pg import vacuum as _vacuum
+from pgbroker._model.claimed import HEAD
+from pgbroker._model.job import NewJob
+from pgbroker._pg.store import Store
 from pgbroker.migrate import migrate
 from pgbroker.settings import Settings
 from tests.bench.capacity import stats_server

@@ -18,7 +18,7 @@ import uuid
 import psycopg
 import pytest
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
 from pgbroker.settings import Settings

@@ -16,9 +16,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pgbroker._claims import after_params
-from pgbroker._sql import queries
-from pgbroker._pq import numbered as _numbered
+from pgbroker._model.claimed import after_params
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.libpq import numbered as _numbered
 from pgbroker.ops import Operations
 from tests.bench.harness import fill
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from pgbroker import _vacuum
+from pgbroker._pg import vacuum as _vacuum
 from tests.chaos.pgserver_fixture import ThrowawayServer, throwaway_server
 from tests.support.processes import wait_for
 

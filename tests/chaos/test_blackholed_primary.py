@@ -22,7 +22,7 @@ ways), the primary is then stopped so it cannot come back, and the standby is pr
 * the worker runs tasks claimed on the new primary within a bound set by the same timers: the
   seconds from the black hole to the first such task are printed (``pytest -s``);
 * once a connection found the new primary, the process's next connections go there first and
-  never wait out ``connect_timeout`` on the dark address again (pgbroker._db).
+  never wait out ``connect_timeout`` on the dark address again (pgbroker._pg.driver).
 
 With pgbroker's own defaults (30 s tcp_user_timeout, 10 s connect_timeout) the scenario takes
 over a minute: ``-m slow``; the default tier lowers the timers in the URL and the transport
@@ -70,7 +70,7 @@ DETECTION = 3.0
 @dataclass(frozen=True)
 class Timers:
     """The TCP and connection timers of every client on the host, in seconds; None: pgbroker's
-    defaults (``pgbroker._db._KEEPALIVES``: tcp_user_timeout 30, keepalives 10 s + 5 s apart;
+    defaults (``pgbroker._pg.driver._KEEPALIVES``: tcp_user_timeout 30, keepalives 10 s + 5 s apart;
     ``Settings.connect_timeout`` 10)."""
 
     tcp_user_timeout: float | None = None

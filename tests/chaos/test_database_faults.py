@@ -33,7 +33,7 @@ from tests.support.producers import drop_pools, point_producer
 from tests.support.db import db_now
 from tests.support.processes import run_beat, wait_for
 
-#: The application names of a consuming worker's two connections (pgbroker._db.connect): the
+#: The application names of a consuming worker's two connections (pgbroker._pg.driver.connect): the
 #: process's shared store (publishes, the lease) and the event loop's LISTEN one.
 WORKER_CONNECTIONS = {"pgbroker", "pgbroker listen"}
 

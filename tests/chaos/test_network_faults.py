@@ -37,7 +37,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from tests.chaos.load import tally
 from tests.chaos.pgserver_fixture import ThrowawayServer

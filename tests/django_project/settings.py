@@ -7,7 +7,7 @@ import os
 
 from psycopg.conninfo import conninfo_to_dict
 
-from pgbroker._localdb import normalize_url
+from pgbroker._pg.local_server import normalize_url
 
 _URL = os.environ.get("PGBROKER_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 _DB = conninfo_to_dict(normalize_url(_URL))

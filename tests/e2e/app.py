@@ -15,7 +15,7 @@ import psycopg
 from celery import Celery
 
 import pgbroker  # noqa: F401 - registers pgbroker://
-from pgbroker._localdb import normalize_url
+from pgbroker._pg.local_server import normalize_url
 
 BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127.0.0.1/postgres")
 #: Where tasks record their runs: the broker's database, or PGBROKER_TEST_RUNS_URL when the

@@ -22,8 +22,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 import pgbroker
-from pgbroker._complete import current_delivery
-from pgbroker._localdb import normalize_url
+from pgbroker._celery.complete import current_delivery
+from pgbroker._pg.local_server import normalize_url
 from tests.e2e.app import RUNS_DDL
 from tests.e2e.app import _db  # an autocommit connection of this process, outside any task's
 

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from celery import Celery
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
 from tests.e2e import app as e2e

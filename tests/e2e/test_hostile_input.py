@@ -25,7 +25,7 @@ import pytest
 from celery import Celery
 from psycopg.rows import dict_row
 
-from pgbroker._text import MAX_NESTING, unescape
+from pgbroker._model.text import MAX_NESTING, unescape
 from tests.e2e import app as e2e
 from tests.e2e import hostile_app as h
 from tests.e2e.support import key_runs, start_worker, wait_state

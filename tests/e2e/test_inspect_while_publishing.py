@@ -1,6 +1,6 @@
 """A client's ``inspect`` while the same process publishes (issue 27, item 6).
 
-A process has one shared connection (pgbroker._shared_store): its publishes and the lease of
+A process has one shared connection (pgbroker._pg.process_store): its publishes and the lease of
 each consumer it opens -- ``inspect`` consumes a reply queue -- use it from different threads.
 The lease took its advisory lock (``consumer_lock_try``) outside the store's statement lock, so a
 publish in another thread interleaved with it on the one libpq connection: libpq refused one of

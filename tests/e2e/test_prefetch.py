@@ -1,4 +1,4 @@
-"""Celery's ``worker_disable_prefetch`` honoured on pgbroker (pgbroker/_prefetch.py): a real
+"""Celery's ``worker_disable_prefetch`` honoured on pgbroker (pgbroker/_celery/prefetch.py): a real
 ``celery worker`` claims jobs only for its free pool processes, and leaves the rest in the queue
 for another worker, where Celery alone (Redis-only) would ignore the setting and prefetch
 ``worker_prefetch_multiplier`` x processes.

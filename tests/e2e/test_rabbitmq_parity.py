@@ -16,7 +16,7 @@ from typing import Any
 import kombu
 import pytest
 
-from pgbroker._localdb import normalize_url
+from pgbroker._pg.local_server import normalize_url
 from tests.e2e.control_support import REPLY_TIMEOUT, client_app, node
 from tests.support.processes import run_worker, wait_for
 

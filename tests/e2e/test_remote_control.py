@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from celery import Celery
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
 from tests.e2e import app as e2e
@@ -74,7 +74,7 @@ def test_inspect_answers_from_two_workers_with_tasks_running(
         na: [reserved_a.id], nb: []}
     # An eta task waits in the database (state 'scheduled') until due, never in a worker's
     # memory: each worker lists the scheduled jobs of the queues it consumes, as Celery would
-    # list its timer's (pgbroker._scheduled).
+    # list its timer's (pgbroker._celery.inspect_scheduled).
     assert job(runs, later.id)["state"] == "scheduled"
     scheduled = cli_json(broker_url, "inspect", "scheduled")
     assert scheduled[nb] == [] and len(scheduled[na]) == 1
@@ -109,7 +109,7 @@ def test_control_commands_change_the_running_workers(
     kept = e2e.touch.apply_async(("kept",), countdown=20)
 
     # revoke of a queued task: every worker remembers it, and its job is cancelled in the
-    # database (pgbroker._revoke), so it is never delivered
+    # database (pgbroker._produce.revoke), so it is never delivered
     replies = cli_json(broker_url, "control", "revoke", revoked.id)
     assert replies == {n: {"ok": f"tasks {{'{revoked.id}'}} flagged as revoked"} for n in both}
     assert job(runs, revoked.id)["state"] == "cancelled"

@@ -2,10 +2,10 @@
 
 Celery keeps revoked ids in each worker's memory only: a task revoked while it waited for its
 eta ran anyway once its worker restarted, and a revoke sent while no worker ran reached nobody.
-Over pgbroker the revoke is also written to the jobs (pgbroker._revoke): a job not yet claimed
-is cancelled, a claimed one (running, or prefetched in a worker's memory) is flagged and ends
-cancelled however its delivery ends. Each test checks runs with SQL (``public.runs``), never the
-worker's word. The same rules without workers: tests/integration/test_revoke.py.
+Over pgbroker the revoke is also written to the jobs (pgbroker._produce.revoke): a job not yet
+claimed is cancelled, a claimed one (running, or prefetched in a worker's memory) is flagged and
+ends cancelled however its delivery ends. Each test checks runs with SQL (``public.runs``), never
+the worker's word. The same rules without workers: tests/integration/test_revoke.py.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_a_revoked_prefetched_job_never_runs_after_its_worker_is_killed_and_term
     second.wait_for_log(f"Terminating {blocker.id}")
     row = wait_state(runs, blocker.id, "cancelled")
     assert row["attempts"] == 2 and row["revoked_at"] is not None
-    # (the worker said it terminated it: Celery's task_revoked, pgbroker._endings)
+    # (the worker said it terminated it: Celery's task_revoked, pgbroker._celery.endings)
     assert row["cancelled_attempt"] == 2
     assert row["last_error"].endswith("while running; its worker terminated it (signal 15) "
                                       "before it finished"), row["last_error"]

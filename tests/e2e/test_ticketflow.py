@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from sqlalchemy.orm import Session
 
-from pgbroker._localdb import admin_url
+from pgbroker._pg.local_server import admin_url
 from tests.support.databases import drop_database
 from tests.support.processes import REPO_ROOT, run_beat, wait_for
 from tests.integration.ticketflow_support import (

@@ -3,7 +3,7 @@
 * ``app``, ``client`` -- the admin app on this test's database, and a test client logged in
   as alice (tests/integration/test_admin*.py; their logins and helpers: admin_support.py);
 * ``cli`` -- ``pgbroker`` commands run in-process against this test's database;
-* ``store`` -- a :class:`~pgbroker._store.Store` on this test's database, with the options of
+* ``store`` -- a :class:`~pgbroker._pg.store.Store` on this test's database, with the options of
   transport_support.py (no sweeping behind the test's back).
 
 The fixtures of every tier (``db_url``, ``pg``...) are in tests/conftest.py; those several
@@ -19,7 +19,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.admin import create_app
 from pgbroker.cli import main
 from tests.integration.admin_support import CREDS, csrf_of

@@ -165,7 +165,8 @@ def test_a_jobs_page_shows_every_try_of_its_task(client: FlaskClient,  # noqa: F
 
 def test_tries_that_sent_a_celery_retry_count_as_retried_not_completed(
         client: FlaskClient, pg: psycopg.Connection) -> None:  # noqa: F811
-    """Rows as pgbroker._endings and the acks leave them (two tries that sent a retry, the last
+    """Rows as pgbroker._celery.endings and the acks leave them (two tries that sent a retry, the
+    last
     one dead, and one plain completion): the overview, /metrics and the job page say retried."""
     tries = [celery_job(pg, state, "x", task_id="celery-8", retries=n, attempts=1,
                         retried_attempt=1 if n < 2 else None,

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from flask.testing import FlaskClient
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job

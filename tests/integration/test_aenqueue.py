@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import async_scoped_session, async_sessionmaker, cre
 from sqlalchemy.orm import Session
 
 import pgbroker
-from pgbroker._claims import parse_wake
+from pgbroker._model.claimed import parse_wake
 from pgbroker.errors import IdempotencyKeyRequired, SchemaError
 from tests.integration.enqueue_support import (
     ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)

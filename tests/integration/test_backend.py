@@ -25,7 +25,7 @@ from celery.app.task import Context
 from celery.beat import Scheduler
 from celery.result import GroupResult
 
-from pgbroker._text import unescape, unescape_json
+from pgbroker._model.text import unescape, unescape_json
 from pgbroker.backend import DatabaseBackend
 from pgbroker.errors import ConfigurationError, JobDead, SchemaError
 from tests.e2e import results_app
@@ -170,7 +170,7 @@ def test_values_jsonb_cannot_hold_are_kept_in_the_payload(backend: DatabaseBacke
 def test_text_postgresql_cannot_hold_is_stored_and_read_back_exactly(
         backend: DatabaseBackend, pg: psycopg.Connection, text: str) -> None:
     """A result, and the failure of a task whose error has a NUL or a lone surrogate (a file
-    name from os.listdir): stored, read back as it was, queryable escaped (pgbroker._text)."""
+    name from os.listdir): stored, read back as it was, queryable escaped (pgbroker._model.text)."""
     store(backend, "ok", {text: [text]})
     backend.store_result("failed", ValueError(text), states.FAILURE,
                          traceback=f"Traceback {text}", request=Context(id="failed"))

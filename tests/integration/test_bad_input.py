@@ -32,7 +32,7 @@ import pytest
 from celery import Celery
 from psycopg.rows import dict_row
 
-from pgbroker._localdb import admin_url
+from pgbroker._pg.local_server import admin_url
 from pgbroker.errors import DatabaseUnavailable, MessageError
 from pgbroker.transport import MAX_NAME_LENGTH
 from tests.chaos.pgserver_fixture import throwaway_server

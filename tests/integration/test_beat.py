@@ -22,7 +22,7 @@ from celery import Celery
 from celery.schedules import crontab, solar
 from psycopg.rows import dict_row
 
-from pgbroker._schedule import occurrence_key
+from pgbroker._model.schedule import occurrence_key
 from pgbroker.beat import Fired, Scheduler
 from pgbroker.schedules import Schedules
 from pgbroker.errors import ConfigurationError

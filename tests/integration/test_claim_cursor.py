@@ -22,10 +22,12 @@ import kombu
 import psycopg
 import pytest
 
-from pgbroker._claims import EARLIEST, HEAD, ClaimPolicy, Position, after_params
-from pgbroker._jobs import row_params
-from pgbroker._sql import queries
-from pgbroker._store import Store
+from pgbroker._model.claimed import EARLIEST, HEAD, Position, after_params
+
+from pgbroker._consume.claim_policy import ClaimPolicy
+from pgbroker._model.job import row_params
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from tests.integration.transport_support import (NO_POLL, LoopConsumer, connect, db_now,
                                                  drain_until, new_job, publish, store_for)

@@ -12,9 +12,9 @@ import uuid
 import psycopg
 import pytest
 
-from pgbroker._claims import after_params
-from pgbroker._sql import queries
-from pgbroker._store import Store
+from pgbroker._model.claimed import after_params
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.store import Store
 from tests.integration.transport_support import (
     NO_POLL,
     Collector,

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper
 from tests.integration.transport_support import age_consumer, counts, new_job, store_for
 

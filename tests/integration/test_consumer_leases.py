@@ -17,7 +17,7 @@ import pytest
 from flask.testing import FlaskClient
 
 from pgbroker import health
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.metrics import MetricsReader
 from pgbroker.sweeper import Sweeper
 from tests.integration.transport_support import age_consumer, new_job, store_for

@@ -20,9 +20,9 @@ import uuid6
 from celery import Celery
 
 import pgbroker
-from pgbroker._jobs import NewJob, lookup_params
-from pgbroker._sql import queries
-from pgbroker._store import Store
+from pgbroker._model.job import NewJob, lookup_params
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.store import Store
 from pgbroker.errors import MessageError
 from tests.integration.transport_support import jobs
 

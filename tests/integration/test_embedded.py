@@ -20,7 +20,7 @@ pytest.importorskip("pgserver")
 SCRIPT = textwrap.dedent(
     """
     import json, os, psycopg
-    from pgbroker._localdb import resolve_database_url, admin_url
+    from pgbroker._pg.local_server import resolve_database_url, admin_url
     url = resolve_database_url("embedded-test")
     with psycopg.connect(url, autocommit=True) as conn:
         one = conn.execute("SELECT 1").fetchone()[0]

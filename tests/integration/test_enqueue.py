@@ -31,8 +31,8 @@ from psycopg.rows import dict_row
 from sqlalchemy import create_engine
 
 import pgbroker
-from pgbroker._claims import parse_wake
-from pgbroker._target import current_target as _current_target
+from pgbroker._model.claimed import parse_wake
+from pgbroker._produce.transaction import current_target as _current_target
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from tests.support.processes import wait_for
 from tests.integration.enqueue_support import (
@@ -618,7 +618,7 @@ def mixed_items(app: Celery) -> list[tuple[Any, ...]]:
 
 def _count_build(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the messages enqueue_many makes with _build (instrumented: the real one runs)."""
-    module = sys.modules["pgbroker._build"]
+    module = sys.modules["pgbroker._produce.build"]
     real, calls = module.build, [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:

@@ -20,9 +20,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgbroker._jobs import NewJob, batch_lists
-from pgbroker._sql import queries
-from pgbroker._store import Store
+from pgbroker._model.job import NewJob, batch_lists
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.store import Store
 from pgbroker.migrate import MIGRATIONS, apply
 from pgbroker.ops import Operations
 from tests.integration.transport_support import new_job, store_for

@@ -25,7 +25,7 @@ from celery.utils.saferepr import saferepr
 from kombu.transport.virtual.base import UndeliverableWarning
 
 import pgbroker
-from pgbroker._text import ESCAPED, MAX_NESTING, unescape
+from pgbroker._model.text import ESCAPED, MAX_NESTING, unescape
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from pgbroker.sweeper import Sweeper
 from pgbroker.transport import UNROUTABLE

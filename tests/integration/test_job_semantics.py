@@ -18,7 +18,7 @@ from pgbroker.backoff import SEED_TABLE, table_delay
 from pgbroker.errors import ConfigurationError, OperationError
 from pgbroker.ops import Operations
 from pgbroker.settings import Settings
-from pgbroker._sql import queries
+from pgbroker._pg.catalogue import queries
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job
 from tests.integration.test_sweeper_log import lost_consumer

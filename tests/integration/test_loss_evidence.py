@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper
 from tests.support.db import db_now, disk_full_when
 

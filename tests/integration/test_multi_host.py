@@ -1,5 +1,5 @@
 """Connections over a multi-host URL with ``target_session_attrs=read-write``: the server that
-took a process's last connection is tried first by the next (``pgbroker._db.connect``), and a
+took a process's last connection is tried first by the next (``pgbroker._pg.driver.connect``), and a
 connection left on another server is given up (``_db.superseded``), with the acks of the event
 loop's claim in flight made on the new server. The scenario it is for, an old primary whose address went dark, is
 tests/chaos/test_blackholed_primary.py; here a real server and a closed port stand for the
@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from pgbroker import _db
-from pgbroker._store import Store
+from pgbroker._pg import driver as _db
+from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, jobs, publish
 from tests.support.db import free_port

@@ -74,7 +74,7 @@ def test_the_wheel_installed_in_a_fresh_venv_imports_and_finds_its_sql(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     probe = (
         "import importlib.resources as r, pgbroker\n"
-        "from pgbroker._sql import queries\n"
+        "from pgbroker._pg.catalogue import queries\n"
         "from pgbroker.migrate import latest_version\n"
         "assert 'site-packages' in pgbroker.__file__, pgbroker.__file__\n"
         "assert 'job_claim' in queries('pgbroker') and latest_version() >= 4\n"

@@ -11,9 +11,10 @@ import uuid
 import psycopg
 import pytest
 
-from pgbroker._lease import Lease
-from pgbroker._ratelimits import parse_rate_limits, write_rate_limits
-from pgbroker._store import Store
+from pgbroker._consume.lease import Lease
+from pgbroker._consume.lease import write_rate_limits
+from pgbroker._model.rate_limits import parse_rate_limits
+from pgbroker._pg.store import Store
 from tests.integration.transport_support import counts, new_job, store_for
 
 

@@ -17,9 +17,9 @@ import uuid
 import psycopg
 import pytest
 
-import pgbroker._store
-from pgbroker._sql import queries
-from pgbroker._pq import numbered as _numbered
+import pgbroker._pg.store
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.libpq import numbered as _numbered
 from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, publish, store_for
 
 INTERVAL = 1.0  # REPLAN_SECONDS for these tests
@@ -27,7 +27,7 @@ INTERVAL = 1.0  # REPLAN_SECONDS for these tests
 
 @pytest.fixture(autouse=True)
 def _short_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pgbroker._store, "REPLAN_SECONDS", INTERVAL)
+    monkeypatch.setattr(pgbroker._pg.store, "REPLAN_SECONDS", INTERVAL)
 
 
 def grow(pg: psycopg.Connection, rows: int = 20_000) -> None:

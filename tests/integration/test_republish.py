@@ -21,7 +21,7 @@ from celery.exceptions import Ignore
 from prometheus_client import generate_latest
 
 import pgbroker
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.errors import DatabaseUnavailable
 from pgbroker.metrics import MetricsReader, prometheus_registry
 from pgbroker.settings import Settings

@@ -20,7 +20,8 @@ from celery.utils.collections import AttributeDict
 from celery.utils.timer2 import Timer
 from psycopg.rows import dict_row
 
-from pgbroker import _revoke, _scheduled
+from pgbroker._produce import revoke as _revoke
+from pgbroker._celery import inspect_scheduled as _scheduled
 from pgbroker.cli import main
 from pgbroker.ops import os_user
 from pgbroker.sweeper import Sweeper
@@ -39,7 +40,7 @@ def revoke_audit(pg: psycopg.Connection) -> list[dict[str, Any]]:
 
 def test_a_revoke_sent_while_no_worker_runs_cancels_the_jobs_and_says_what_it_did(
         broker_url: str, pg: psycopg.Connection, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="pgbroker._revoke")
+    caplog.set_level(logging.INFO, logger="pgbroker._produce.revoke")
     with client_app(broker_url) as app:
         app.send_task(TASK, args=("now",), task_id="t-pending")
         app.send_task(TASK, args=("later",), task_id="t-scheduled", countdown=600)
@@ -81,8 +82,8 @@ def test_a_flagged_delivery_ends_cancelled_only_when_it_did_not_run_to_its_end(
     """A job claimed when it is revoked (running, or prefetched by a worker) is flagged and never
     runs again: a reject without requeue, a requeue and a rescue by the sweeper end it
     'cancelled'. An ack ends it 'cancelled' only when its worker carried the revoke out
-    (Celery's task_revoked: discarded or terminated, pgbroker._endings), whether that report is
-    written before the ack or after it -- alone, with a claim, or with retention 0's
+    (Celery's task_revoked: discarded or terminated, pgbroker._celery.endings), whether that report
+    is written before the ack or after it -- alone, with a claim, or with retention 0's
     ack-and-delete. Without that report its task ran to its end (a thread pool cannot terminate
     it): 'completed', or 'dead' if it raised, the revoke's note kept. A job claimed and not
     revoked is unaffected."""

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 import pgbroker
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper
 from tests.support.processes import wait_for
 from tests.integration.transport_support import (

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import psycopg
 
-from pgbroker._store import Store
+from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper, SweepResult
 from tests.integration.transport_support import new_job
 from tests.support.db import counts, db_now, jobs

@@ -20,8 +20,8 @@ import psycopg
 from psycopg.rows import dict_row
 
 import pgbroker
-from pgbroker._claims import after_params
-from pgbroker._sql import queries
+from pgbroker._model.claimed import after_params
+from pgbroker._pg.catalogue import queries
 from pgbroker.migrate import MIGRATIONS, apply
 from pgbroker.ops import Operations
 from pgbroker.sweeper import Sweeper

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from pgbroker import signals
-from pgbroker._localdb import ENV_DATABASE_URL
+from pgbroker._pg.local_server import ENV_DATABASE_URL
 from tests.support.db import rows
 from ticketflow import alerts
 

@@ -24,10 +24,10 @@ import psycopg
 import pytest
 from psycopg import ClientCursor
 
-import pgbroker._startup
-from pgbroker._claims import after_params
-from pgbroker._sql import queries
-from pgbroker._store import Store
+import pgbroker._celery.startup
+from pgbroker._model.claimed import after_params
+from pgbroker._pg.catalogue import queries
+from pgbroker._pg.store import Store
 from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
 from pgbroker.sweeper import Sweeper, lock_class
 from pgbroker.transport import MAX_NAME_LENGTH, Transport
@@ -546,11 +546,11 @@ def test_a_worker_says_once_when_nothing_vacuums_the_jobs_table(
         broker_url: str, pg: psycopg.Connection, store: Store, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     def warnings_from(calls: int) -> int:
-        monkeypatch.setattr(pgbroker._startup, "_warned", set())
+        monkeypatch.setattr(pgbroker._celery.startup, "_warned", set())
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="pgbroker"):
             for _ in range(calls):
-                pgbroker._startup.warn_without_autovacuum(store)  # at worker_ready
+                pgbroker._celery.startup.warn_without_autovacuum(store)  # at worker_ready
         return sum("autovacuum is off for pgbroker.jobs" in r.getMessage()
                    for r in caplog.records)
 

@@ -25,9 +25,9 @@ from flask.testing import FlaskClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pgbroker import _vacuum
-from pgbroker._lease import Lease
-from pgbroker._store import Store
+from pgbroker._pg import vacuum as _vacuum
+from pgbroker._consume.lease import Lease
+from pgbroker._pg.store import Store
 from pgbroker.metrics import MetricsReader, prometheus_registry
 from pgbroker.sweeper import Sweeper
 from tests.integration.transport_support import store_for
@@ -155,14 +155,14 @@ def test_a_transaction_id_held_in_another_database_is_shown_with_its_database(
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture, pid: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "pgbroker._vacuum"
+    return [r.getMessage() for r in caplog.records if r.name == "pgbroker._pg.vacuum"
             and r.levelno == logging.WARNING and f"pid {pid} " in r.getMessage()]
 
 
 def test_the_worker_warns_once_per_holder_held_too_long(
         store: Store, pg: psycopg.Connection, db_url: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "pgbroker._vacuum")
+    caplog.set_level(logging.WARNING, "pgbroker._pg.vacuum")
     conn = psycopg.connect(db_url, application_name=APP)
     try:
         conn.execute("SELECT txid_current()")
@@ -193,7 +193,7 @@ def test_a_workers_lease_warns_and_a_remote_control_clients_does_not(
         db_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """``celery inspect`` consumes a reply queue, and sweeps while it waits for replies: its
     stderr is the user's terminal, told nothing at every call."""
-    caplog.set_level(logging.WARNING, "pgbroker._vacuum")
+    caplog.set_level(logging.WARNING, "pgbroker._pg.vacuum")
     store = store_for(db_url, sweep_interval=0.1, heartbeat_interval=0.1, lease_timeout=2,
                       xmin_warn_after=0.01)
     conn = psycopg.connect(db_url, application_name=APP)

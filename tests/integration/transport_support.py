@@ -19,7 +19,7 @@ import psycopg
 import uuid6
 
 import pgbroker  # noqa: F401 - registers pgbroker://
-from pgbroker._store import NewJob, Store
+from pgbroker._pg.store import NewJob, Store
 from pgbroker.settings import Settings
 from tests.support.db import counts, db_now, free_port, jobs
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from pgbroker._localdb import normalize_url
+from pgbroker._pg.local_server import normalize_url
 
 __all__ = [
     "REPO_ROOT",

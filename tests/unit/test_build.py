@@ -1,4 +1,4 @@
-"""Unit tests of pgbroker._build's fast paths, against what they stand in for: Celery's
+"""Unit tests of pgbroker._produce.build's fast paths, against what they stand in for: Celery's
 ``saferepr`` and ``uuid4`` (no database)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from celery.utils.saferepr import saferepr
 
-from pgbroker._build import _plain_repr, _task_id
+from pgbroker._produce.build import _plain_repr, _task_id
 
 Point = namedtuple("Point", "x y")
 

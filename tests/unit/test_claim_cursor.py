@@ -7,8 +7,9 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta, timezone
 
-from pgbroker import _claims as claims
-from pgbroker._claims import HEAD, ClaimPolicy, Claimed, JobRow, parse_wake
+from pgbroker._consume import claim_policy as claims
+from pgbroker._model.claimed import Claimed, HEAD, JobRow, parse_wake
+from pgbroker._consume.claim_policy import ClaimPolicy
 
 T0 = datetime(2026, 12, 2, 7, 0, tzinfo=timezone.utc)
 

@@ -4,11 +4,18 @@ Every import counts, the ones inside functions too: a circle hidden by a functio
 still a circle, and no module of these packages may sit on one (issue 19). An import inside a
 function must say why on its line or in the comment just above it (an optional dependency, a
 module a producer need not load, ...): a comment-less one is how a circle gets hidden.
+
+pgbroker's private code lives in wings that import only downwards (issue 28): ``_model`` (what
+a job, a message and a claimed row are: no I/O), ``_pg`` (the driver, the statement catalogue,
+the store), then ``_produce`` and ``_consume`` side by side, then ``_celery`` (what runs in
+Celery's processes). The package's root holds only public modules; a public module sits at the
+level of the highest wing it reaches.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pgbroker", "ticketflow")
 
 
+#: pgbroker's wings, lowest first; wings of one level may not import each other.
+WINGS = {"_model": 0, "_pg": 1, "_produce": 2, "_consume": 2, "_celery": 3}
+
+
+@functools.cache
 def _modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
@@ -84,6 +96,7 @@ def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Import]
     return _imports(name, path.read_text("utf-8"), path.name == "__init__.py", modules)
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     """{module: the modules of these packages it imports anywhere}, packages' ``__init__``
     included (under the package's name)."""
@@ -149,10 +162,11 @@ def test_no_import_circle_anywhere() -> None:
 
 
 @pytest.mark.parametrize("module", [
-    "pgbroker.enqueue", "pgbroker._build", "pgbroker._write", "pgbroker._jobs",
-    "pgbroker._target", "pgbroker._connector", "pgbroker._broker", "pgbroker.transport",
-    "pgbroker.contrib.django", "pgbroker.contrib.django_connector",
-    "pgbroker.contrib.sqlalchemy_connector", "ticketflow.services", "ticketflow.tasks",
+    "pgbroker.enqueue", "pgbroker._produce.build", "pgbroker._produce.write", "pgbroker._model.job",
+    "pgbroker._produce.transaction", "pgbroker._produce.connectors", "pgbroker._celery.app",
+    "pgbroker.transport",
+    "pgbroker.contrib.django", "pgbroker._produce.connectors.django_connection",
+    "pgbroker._produce.connectors.sqlalchemy_session", "ticketflow.services", "ticketflow.tasks",
     "ticketflow.jobs",
 ])
 def test_no_import_circle_through(module: str) -> None:
@@ -162,8 +176,9 @@ def test_no_import_circle_through(module: str) -> None:
 
 
 def test_the_graph_sees_function_level_imports() -> None:
-    """The reader itself: _connector imports the Django connector inside a function."""
-    assert "pgbroker.contrib.django_connector" in _graph()["pgbroker._connector"]
+    """The reader itself: the connectors import the Django connector inside a function."""
+    connectors = _graph()["pgbroker._produce.connectors"]
+    assert "pgbroker._produce.connectors.django_connection" in connectors
 
 
 def test_the_circle_finder_finds_a_circle() -> None:
@@ -272,9 +287,82 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
 def test_the_underscore_check_sees_a_reach() -> None:
     """The check itself can fail: both forms are reported; a private module and its public
     names are not."""
-    source = ("from ._db import _first_line, connect\n"
-              "from . import _db, _io\n"
+    source = ("from ._pg.driver import _first_line, connect\n"
+              "from ._pg import driver as _db, any_connection as _io\n"
               "def f():\n"
               "    return _db._first_line, _db.connect, _io.Stream\n")
     assert _underscore_reaches("pgbroker._probe", source, False, _modules()) == [
-        "1: from pgbroker._db import _first_line", "4: pgbroker._db._first_line"]
+        "1: from pgbroker._pg.driver import _first_line", "4: pgbroker._pg.driver._first_line"]
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "pgbroker" and parts[1] in WINGS else None
+
+
+def _levels(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each pgbroker module's level: its wing's, or (a public module) the highest level of the
+    wing modules it reaches, -1 if none (graph has no circle: test_no_import_circle_anywhere)."""
+    levels: dict[str, int] = {}
+
+    def level(module: str) -> int:
+        if module not in levels:
+            wing = _wing(module)
+            levels[module] = WINGS[wing] if wing else max(
+                [level(t) for t in graph.get(module, ()) if t.startswith("pgbroker")],
+                default=-1)
+        return levels[module]
+
+    for module in graph:
+        if module.startswith("pgbroker"):
+            level(module)
+    return levels
+
+
+def _wing_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a wing module that goes up (to a module of a higher level, a public one
+    through what it reaches) or sideways (to another wing of its level)."""
+    levels = _levels(graph)
+    found = []
+    for module, targets in sorted(graph.items()):
+        wing = _wing(module)
+        if wing is None:
+            continue
+        for target in sorted(t for t in targets if t in levels):
+            other = _wing(target)
+            if levels[target] > WINGS[wing]:
+                found.append(f"{module} -> {target} (up: level {levels[target]})")
+            elif other not in (None, wing) and WINGS[other] == WINGS[wing]:
+                found.append(f"{module} -> {target} (sideways)")
+    return found
+
+
+def test_wings_import_only_downwards() -> None:
+    graph = _graph()
+    assert {_wing(m) for m in graph} >= set(WINGS)
+    assert _wing_breaks(graph) == []
+
+
+def test_the_wing_check_sees_an_upward_and_a_sideways_import() -> None:
+    """The check itself can fail: a model module reaching the store through a public module, and
+    a consumer module importing a producer one, are reported; downward imports are not."""
+    graph = {"pgbroker._model.job": {"pgbroker.settings"},
+             "pgbroker.settings": {"pgbroker._pg.store"},
+             "pgbroker._pg.store": {"pgbroker._model.job"},
+             "pgbroker._consume.turn": {"pgbroker._produce.build", "pgbroker._pg.store"},
+             "pgbroker._produce.build": {"pgbroker._model.job"},
+             "pgbroker._celery.app": {"pgbroker._consume.turn"}}
+    assert _wing_breaks(graph) == [
+        "pgbroker._consume.turn -> pgbroker._produce.build (sideways)",
+        "pgbroker._model.job -> pgbroker.settings (up: level 1)"]
+
+
+def test_the_package_root_holds_only_public_modules() -> None:
+    """A private module lives in a wing; the root's modules, and the wings, are the list below."""
+    root = ROOT / "pgbroker"
+    private = sorted(p.name for p in root.glob("_*.py") if p.name not in ("__init__.py",
+                                                                           "__main__.py"))
+    assert private == []
+    wings = sorted(p.name for p in root.iterdir()
+                   if p.is_dir() and p.name.startswith("_") and p.name != "__pycache__")
+    assert wings == sorted(WINGS)

@@ -1,4 +1,5 @@
-"""pgbroker._io: one coroutine for a synchronous and an asyncio psycopg connection (no database:
+"""pgbroker._pg.any_connection: one coroutine for a synchronous and an asyncio psycopg connection
+(no database:
 the driver calls here are plain values and plain coroutines)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pgbroker import _io
+from pgbroker._pg import any_connection as _io
 
 
 async def write(value: object, fail: bool = False) -> object:

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted((ROOT / "pgbroker").rglob("*.py"))
 MAX_CODE_LINES = 450
 #: Modules over the rule for now, each with its reason.
-BUDGETS = {"pgbroker/_consumer.py": (480, "the consumer's state in one class: issue 28 splits "
-                                          "it into the _consume wing")}
+BUDGETS = {"pgbroker/_consume/consumer.py": (480, "the consumer's state in one class: issue 28 "
+                                                   "splits it")}
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
              tokenize.ENDMARKER}
 

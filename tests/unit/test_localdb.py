@@ -1,11 +1,11 @@
-"""Unit tests of pgbroker._localdb that need no database."""
+"""Unit tests of pgbroker._pg.local_server that need no database."""
 
 from __future__ import annotations
 
 import pytest
 
-from pgbroker import _localdb
-from pgbroker._localdb import admin_url, database_name, normalize_url, resolve_database_url
+from pgbroker._pg import local_server as _localdb
+from pgbroker._pg.local_server import admin_url, database_name, normalize_url, resolve_database_url
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Unit tests of pgbroker._messages' pure helpers: queue name validation, delivery tags, and the
+"""Unit tests of pgbroker._model.message' pure helpers: queue name validation, delivery tags, and
+the
 parsing of Celery's ``eta``/``expires`` headers."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pgbroker.errors import MessageError
-from pgbroker._messages import (
+from pgbroker._model.message import (
     MAX_NAME_LENGTH,
     delivery_tag as _delivery_tag,
     _timestamp,

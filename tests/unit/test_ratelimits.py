@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgbroker._ratelimits import RateLimit, parse_rate
+from pgbroker._model.rate_limits import RateLimit, parse_rate
 from pgbroker.errors import ConfigurationError
 from pgbroker.settings import Settings
 

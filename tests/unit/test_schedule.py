@@ -1,4 +1,5 @@
-"""pgbroker._schedule alone: grids, daylight saving, and the misfire/overlap plan (no database).
+"""pgbroker._model.schedule alone: grids, daylight saving, and the misfire/overlap plan (no
+database).
 
 The scheduler that runs them against PostgreSQL is tested in ``tests/integration/test_beat.py``.
 """
@@ -11,7 +12,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from celery.schedules import crontab, schedule, solar
 
-from pgbroker._schedule import (
+from pgbroker._model.schedule import (
     Cron,
     Every,
     Grid,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pgbroker import _foreign_options
-from pgbroker._foreign_options import INSTEAD, KOMBU_OPTIONS, MAPPED
+from pgbroker._model import foreign_options as _foreign_options
+from pgbroker._model.foreign_options import INSTEAD, KOMBU_OPTIONS, MAPPED
 from pgbroker.errors import ConfigurationError
 from pgbroker.settings import Settings
 

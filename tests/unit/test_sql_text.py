@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pgbroker._sql import queries, without_comment_lines
+from pgbroker._pg.catalogue import queries, without_comment_lines
 
 
 def test_comment_lines_go_and_quoted_text_stays() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of broker URL handling: pgbroker._db.libpq_url / mask_password and the
+"""Unit tests of broker URL handling: pgbroker._pg.driver.libpq_url / mask_password and the
 conninfo the kombu Transport builds from a ``kombu.Connection`` (``_db.kombu_conninfo``; no
 connection is opened)."""
 
@@ -11,8 +11,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import pgbroker  # noqa: F401 - registers the pgbroker:// scheme with kombu
-from pgbroker import _db
-from pgbroker._db import kombu_conninfo, libpq_url, mask_password
+from pgbroker._pg import driver as _db
+from pgbroker._pg.driver import kombu_conninfo, libpq_url, mask_password
 from pgbroker.errors import ConfigurationError
 
 SECRET = "s3cr3t"

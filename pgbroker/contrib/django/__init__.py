@@ -23,7 +23,7 @@ in whatever transaction Django has open. Limits: psycopg 2 (``psycopg2``) and ot
 are refused with a clear error; outside ``atomic()`` Django is in autocommit mode, so each job is
 committed at once, as any other Django query would be. Django stays a test dependency of
 pgbroker, never a runtime one: this module imports it only when called. The connector under
-these functions is :mod:`pgbroker.contrib.django_connector`.
+these functions is :mod:`pgbroker._pg.django_db`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import Any
 
 import psycopg
 
+from ..._pg.django_db import driver_connection
 from ...enqueue import enqueue as _enqueue
 from ...enqueue import enqueue_many as _enqueue_many
 from ...enqueue import transaction as _transaction
-from ..django_connector import driver_connection
 
 __all__ = ["connection", "driver_connection", "enqueue", "enqueue_many", "transaction"]
 

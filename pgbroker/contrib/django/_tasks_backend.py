@@ -27,18 +27,17 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 from kombu.serialization import loads, prepare_accept_content
 
-from ..._sql import Queries
-from ..django_connector import driver_connection
+from ..._pg.catalogue import Queries
+from ..._pg.django_db import driver_connection
 from . import conf, transaction
 from .conf import TASK_NAME
 
 try:  # optional: Django 6's task framework, else the django-tasks backport
-    from django.tasks import (  # type: ignore[import-not-found]
-        DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE, TaskResult, TaskResultStatus)
+    from django.tasks import DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE  # type: ignore[import-not-found]
+    from django.tasks import TaskResult, TaskResultStatus
     from django.tasks.backends.base import BaseTaskBackend  # type: ignore[import-not-found]
     from django.tasks.base import TaskError  # type: ignore[import-not-found]
-    from django.tasks.exceptions import (  # type: ignore[import-not-found]
-        InvalidTaskError, TaskResultDoesNotExist)
+    from django.tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist  # type: ignore[import-not-found]
 except ImportError:
     from django_tasks import DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE
     from django_tasks import TaskResult, TaskResultStatus

@@ -31,11 +31,11 @@ from typing import Any
 
 import psycopg
 
-from ... import _write
-from ..._jobs import NewJob
-from ..._target import add_ambient, remove_ambient
+from ..._model.job import NewJob
+from ..._pg.django_db import driver_connection
+from ..._produce import write as _write
+from ..._produce.transaction import add_ambient, remove_ambient
 from ...settings import Settings
-from ..django_connector import driver_connection
 from . import conf
 
 __all__ = ["AtomicSink", "install", "sink_for", "uninstall"]

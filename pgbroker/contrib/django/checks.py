@@ -30,10 +30,10 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.migrations.recorder import MigrationRecorder
 from kombu.transport import resolve_transport
 
+from ..._pg.django_db import driver_connection
 from ...errors import ConfigurationError, PgBrokerError, SchemaError
 from ...migrate import check as check_schema
 from ...transport import Transport
-from ..django_connector import driver_connection
 from . import conf
 
 __all__ = ["LABEL", "check_atomic_database", "check_early_acks", "check_schema_present",

@@ -21,10 +21,10 @@ from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict
 
-from ..._broker import Broker, find
+from ..._celery.app import Broker, find
+from ..._pg.django_db import conninfo_of
 from ...errors import ConfigurationError
 from ...settings import Settings
-from ..django_connector import conninfo_of
 
 __all__ = ["JOIN_ATOMIC", "TASK_NAME", "broker", "celery_app", "join_atomic", "same_database",
            "settings"]

@@ -30,9 +30,9 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from ..._pg.django_db import alias_conninfo
 from ...admin.auth import OPERATOR, VIEWER, Login, new_csrf_token
 from ...admin.guards import TRUSTED_LOGIN
-from ..django_connector import alias_conninfo
 from . import conf
 
 __all__ = ["PERMISSION", "operator_page", "page_app"]

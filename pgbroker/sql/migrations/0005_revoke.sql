@@ -1,7 +1,7 @@
 -- 0005 revoke: Celery's revoke made durable (issue 17, point 8).
 --
 -- `app.control.revoke(id)` / `celery control revoke ID` cancels a pending or scheduled job in the
--- database (pgbroker/_revoke.py); a job already claimed (running, or prefetched in a worker's
+-- database (pgbroker/_produce/revoke.py); a job already claimed (running, or prefetched in a worker's
 -- memory) cannot be taken back from its worker, so it is flagged instead: `revoked_at`. Every
 -- statement that ends a delivery reads the flag -- an ack, a requeue, a sweeper rescue or a
 -- restore of unacked messages ends a flagged job `cancelled`, never `completed` or `pending` --

@@ -6,7 +6,7 @@
 --    and dropped them. It is now (task_id, queue, message_digest): the SHA-256 of what the
 --    producer sent (body, content type and encoding, exchange, routing key, headers,
 --    properties without kombu's per-publish delivery_tag), made in Python by
---    pgbroker._store.message_digest. Only kombu's ensure() re-running one publish sends the same.
+--    pgbroker._pg.store.message_digest. Only kombu's ensure() re-running one publish sends the same.
 -- 2. publish_duplicates counts, per queue, the publishes dropped by that key or by an
 --    idempotency key (pgbroker stats, Prometheus).
 -- 3. queues remember how they were declared (durable, auto_delete): a fanout message becomes a

@@ -19,7 +19,7 @@
 --    at most max_starts entries). Written by consumers from the rate_limits transport option.
 --
 -- The four job columns are filled by the insert statements from the message's headers, which
--- pgbroker._jobkeys checked at publish.
+-- pgbroker._model.keys checked at publish.
 --
 -- Operational caveats:
 -- * ADD COLUMN without a default changes only the catalog, but waits for an ACCESS EXCLUSIVE

@@ -14,7 +14,7 @@
 --    `(-priority, run_at, id) > (cursor)` is an index condition, not a filter. The order is the
 --    same as before (priority DESC, run_at, id): nothing claims in another order.
 -- 2. The consumer keeps, per queue, the position of the last row it claimed, and its next
---    claim starts after it (pgbroker._claims.ClaimPolicy): the dead entries behind it are never
+--    claim starts after it (pgbroker._consume.claim_policy.ClaimPolicy): the dead entries behind it are never
 --    read again. A row can become pending behind that position (a transaction that committed
 --    late, a higher priority, a promotion, a requeue, a rescue); the NOTIFY that says so carries
 --    the lowest position it made pending, and the consumer moves its cursor back to it. Every

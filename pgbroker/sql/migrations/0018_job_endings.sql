@@ -1,7 +1,7 @@
 -- 0018 job endings: the record says what happened (issue 27, item 7).
 --
 -- Two facts only the worker sees, written into the delivery's row before (or just after) its
--- ack, each matched by (id, attempt) as failed_attempt is (pgbroker/_endings.py, sql/endings.sql):
+-- ack, each matched by (id, attempt) as failed_attempt is (pgbroker/_celery/endings.py, sql/endings.sql):
 --
 -- cancelled_attempt: Celery carried out a revoke on this attempt (its task_revoked signal): it
 --   discarded the delivery before the task started, or terminated the pool process running it.

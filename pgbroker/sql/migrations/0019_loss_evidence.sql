@@ -8,7 +8,7 @@
 -- counts against a task only where the evidence points to it:
 --
 -- 1. consumers.stopping_at: when the worker was told to stop (SIGTERM, SIGINT or SIGQUIT: a
---    warm, soft or cold shutdown; Celery's worker_shutting_down, pgbroker._startup). The
+--    warm, soft or cold shutdown; Celery's worker_shutting_down, pgbroker._celery.startup). The
 --    deliveries of a worker killed after that were lost to its deployment, not to a task: they
 --    are redelivered as before and count against nothing.
 -- 2. task_losses.streak counts the deliveries of the task in a row that killed their pool

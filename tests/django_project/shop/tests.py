@@ -19,7 +19,7 @@ from django.db import connection, transaction
 from django.test import TestCase, TransactionTestCase
 
 from pgbroker import testing
-from pgbroker.contrib.django_connector import alias_conninfo
+from pgbroker._pg.django_db import alias_conninfo
 from tests.django_project.celery import app
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from django.db import migrations
 
+from ...._pg.django_db import driver_connection
 from ....migrate import MIGRATIONS, apply_on
 from .. import conf
-from ...django_connector import driver_connection
 
 
 def apply_schema(apps: Any, schema_editor: Any) -> None:
