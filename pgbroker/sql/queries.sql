@@ -382,12 +382,16 @@ WITH due AS MATERIALIZED (
       AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
     FOR UPDATE SKIP LOCKED
 ), acked AS (
+    -- = ANY(...), not a join with taken: planned as a join, the generic plan a worker's
+    -- connection caches read all of jobs_live for every ack once a held snapshot kept its dead
+    -- versions (2.9 ms and 3,296 buffers an ack under four readers: docs/benchmarks.md)
     UPDATE {schema}.jobs AS j
     -- (locked_at, the claim's time, stays: the admin page's run times are claim -> ack)
     SET state = CASE WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
-    FROM taken WHERE j.id = taken.id AND j.state IN ('scheduled', 'pending', 'running')
+    WHERE j.id = ANY (ARRAY(SELECT id FROM taken))
+      AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, j.state, j.task, j.last_error
 ), streak_ended AS (
     -- a delivery that completed ends its task's streak of lost deliveries (tasks.sql)
@@ -418,15 +422,17 @@ WITH due AS MATERIALIZED (
       AND j.state IN ('scheduled', 'pending', 'running')  -- jobs_live (0020)
     FOR UPDATE SKIP LOCKED
 ), deleted AS (
-    DELETE FROM {schema}.jobs AS j USING taken
-    WHERE j.id = taken.id AND taken.done AND j.state IN ('scheduled', 'pending', 'running')
+    -- (= ANY(...), not a join: as in job_ack)
+    DELETE FROM {schema}.jobs AS j
+    WHERE j.id = ANY (ARRAY(SELECT id FROM taken WHERE done))
+      AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, 'completed'::text AS state, j.task, j.last_error
 ), kept AS (
     UPDATE {schema}.jobs AS j
     SET state = CASE WHEN j.cancelled_attempt = j.attempts THEN 'cancelled'
                      WHEN j.failed_attempt = j.attempts THEN 'dead' ELSE 'completed' END,
         updated_at = now()
-    FROM taken WHERE j.id = taken.id AND NOT taken.done
+    WHERE j.id = ANY (ARRAY(SELECT id FROM taken WHERE NOT done))
       AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, j.state, j.task, j.last_error
 ), streak_ended AS (
@@ -488,7 +494,9 @@ WITH due AS MATERIALIZED (
                                       coalesce(%(error)s::text, 'requeued by the consumer'))
                           ELSE coalesce(%(error)s::text, jobs.last_error) END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
-    FROM taken WHERE jobs.id = taken.id
+    -- (= ANY(...), not a join: as in job_ack)
+    WHERE jobs.id = ANY (ARRAY(SELECT id FROM taken))
+      AND jobs.state IN ('scheduled', 'pending', 'running')
     RETURNING jobs.id, jobs.queue, jobs.state, jobs.task, jobs.last_error, jobs.priority,
               jobs.run_at
 ), woken AS (
@@ -521,7 +529,9 @@ WITH due AS MATERIALIZED (
         last_error = CASE WHEN j.failed_attempt = j.attempts THEN j.last_error
                           ELSE %(error)s END,
         locked_at = NULL, locked_by = NULL, updated_at = now()
-    FROM taken WHERE j.id = taken.id AND j.state IN ('scheduled', 'pending', 'running')
+    -- (= ANY(...), not a join: as in job_ack)
+    WHERE j.id = ANY (ARRAY(SELECT id FROM taken))
+      AND j.state IN ('scheduled', 'pending', 'running')
     RETURNING j.id, j.state, j.task, j.last_error
 )
 SELECT d.id, d.attempts, b.id IS NOT NULL, b.state, b.task, b.last_error

@@ -9,18 +9,23 @@
   poll).
 * The promotion of scheduled jobs (countdown, eta, retries) keeps a cursor of its own, with the
   same guarantees.
+* The statements that settle deliveries (ack, requeue, bury) and promote jobs find their rows by
+  primary key under the generic plan a worker's connection caches, however many dead versions
+  a held snapshot keeps in jobs_live.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import kombu
 import psycopg
 import pytest
+from psycopg import sql
 
 from pgbroker._model.claimed import EARLIEST, HEAD, Position, after_params
 
@@ -254,3 +259,59 @@ def test_a_scheduled_job_whose_transaction_commits_after_a_later_one_was_promote
         finally:
             store.close()
     assert [m.payload for m in loop.received] == ["soon", "late"]
+
+
+#: The statements that settle or promote rows a claim or the sweeper chose: their parameters
+#: for the running delivery (id, attempt) of a claimed job.
+BY_ID: dict[str, Callable[[uuid.UUID, int], dict[str, Any]]] = {
+    "job_ack": lambda id, attempt: {"ids": [id], "attempts": [attempt]},
+    "job_ack_delete": lambda id, attempt: {"ids": [id], "attempts": [attempt]},
+    "job_requeue": lambda id, attempt: {"ids": [id], "attempts": [attempt], "error": None,
+                                        "channel": "pgbroker_cursor_test"},
+    "job_bury": lambda id, attempt: {"id": id, "attempt": attempt, "error": "buried"},
+    "job_promote": lambda id, attempt: {"queues": [QUEUE], "after": EARLIEST, "limit": 10,
+                                        "channel": "pgbroker_cursor_test"},
+}
+
+
+def generic_plan_buffers(pg: psycopg.Connection, name: str, params: dict[str, Any]) -> int:
+    """Shared buffers of ``name`` run once under its generic plan, the plan a connection that
+    prepared it caches after five runs (PREPARE, plan_cache_mode, EXPLAIN EXECUTE; rolled
+    back)."""
+    text = queries("pgbroker")[name]
+    order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", text)))
+    positional = re.sub(r"%\((\w+)\)s", lambda m: f"${order.index(m[1]) + 1}", text)
+    with pg.transaction(force_rollback=True):
+        pg.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        pg.execute(f"PREPARE settle_probe AS {positional.replace('%%', '%')}", prepare=False)
+        args = sql.SQL(", ").join(sql.Literal(params[key]) for key in order)
+        plan = pg.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE "
+                                  "settle_probe ({})").format(args)).fetchone()[0][0]["Plan"]
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+@pytest.mark.parametrize("name", list(BY_ID))
+def test_settling_statements_read_their_rows_by_key_under_a_cached_plan(
+        name: str, store: Store, pg: psycopg.Connection, held_snapshot: None) -> None:
+    """Planned as a join with the rows it chose, job_ack's cached plan read the whole of
+    jobs_live at every ack once four readers had kept its dead versions (2.9 ms and 3,296
+    buffers an ack in the pressure benchmark, docs/benchmarks.md). Here 20,000 jobs went through
+    jobs_live while a snapshot is held, and its statistics are fresh."""
+    pg.execute("INSERT INTO pgbroker.jobs (id, queue, task, body, state) "
+               "SELECT gen_random_uuid(), %s, 't.a', '\\x7b7d', 'pending' "
+               "FROM generate_series(1, 20000)", (QUEUE,))
+    pg.execute("UPDATE pgbroker.jobs SET state = 'completed' WHERE queue = %s "
+               "AND state = 'pending'", (QUEUE,))
+    pg.execute("ANALYZE pgbroker.jobs_live")
+    pages = pg.execute("SELECT relpages FROM pg_class "
+                       "WHERE oid = 'pgbroker.jobs_live'::regclass").fetchone()[0]
+    consumer = uuid.uuid4()
+    pg.execute("INSERT INTO pgbroker.consumers (id, host, pid) VALUES (%s, 'probe', 1)",
+               (consumer,))
+    store.insert(new_job(QUEUE, "settle me"))
+    [row] = store.claim(QUEUE, 1, consumer)
+    pg.execute("INSERT INTO pgbroker.jobs (id, queue, task, body, state, run_at) "
+               "VALUES (gen_random_uuid(), %s, 't.a', '\\x7b7d', 'scheduled', now())", (QUEUE,))
+    buffers = generic_plan_buffers(pg, name, BY_ID[name](row.id, row.attempt))
+    assert pages > 100, pages
+    assert buffers < 40, (name, buffers, pages)
