@@ -48,7 +48,45 @@ __all__ = ["Consumer"]
 logger = logging.getLogger(__name__)
 
 class Consumer:
-    """LISTEN, claims and deliveries of one kombu transport (see the module docstring)."""
+    """LISTEN, claims and deliveries of one kombu transport (see the module docstring).
+
+    Three kinds of thread call it. **loop**: the worker's event loop (Celery's hub) -- register,
+    the reader callbacks (``_on_wake``, ``_on_readable``), the timers, and the acks Celery makes
+    there (a prefork worker acks in its main process's loop). **drain**: the thread in
+    ``drain_events`` (a plain kombu consumer) and the callbacks it runs. **any**: the lease's
+    heartbeat thread (``request_turn`` after a rescue), a thread that acks outside the loop,
+    the one that closes the connection. Which touches what:
+
+    ==========================================  ==============  ===============================
+    state                                       written by      why no lock
+    ==========================================  ==============  ===============================
+    ``_listener``, ``line``, ``in_flight``      loop (else      one thread uses the LISTEN
+                                                drain)          connection: the loop in a
+                                                                worker, else the drain thread
+    ``_loop``, ``_wake``, ``_timers``,          loop            set at register, cleared at
+    ``_due_*``, ``_promoted_to``,                               close; the other threads only
+    ``_wake_due``/``_wake_entry``,                              read ``_loop``/``_wake`` (is
+    ``_settle_entry``, ``_last_poll``                           there a loop to wake?)
+    ``_turn_requested``                         any (True),     a request that sees True skips
+                                                loop (False)    its byte only while one is in
+                                                                the pipe; the loop clears the
+                                                                flag after draining the pipe
+                                                                and before its turn, which then
+                                                                sees that request's state
+    ``_ready``, ``_credit``, ``_draining``      drain           the synchronous path only (a
+                                                                deque's append and pop are
+                                                                atomic)
+    ``_settler`` (its ``pending``)              any             ``settle_rows`` from any acking
+                                                                thread; ``retry`` swaps the
+                                                                list before it walks it
+    ``_lease``                                  first caller    made once; its heartbeat thread
+                                                                has its own lock
+    ``_broadcasts``                             loop or drain   one path per connection
+    a channel's ``claims`` (cursor, deferred    loop or drain   acks are deferred only in the
+    acks)                                                       loop or by the drain thread
+                                                                itself (:attr:`defer_acks`)
+    ==========================================  ==============  ===============================
+    """
 
     def __init__(self, store: Store, settings: Settings, conninfo: str, channels: list[Any],
                  state: Any, deliver: Callable[[dict[str, Any], str], None],

@@ -264,7 +264,7 @@ def _black_hole_failover(site: Site, timers: Timers, monkeypatch: pytest.MonkeyP
 #: when a line comes on stdin); prints the server each reached, and how long it took.
 _CONNECT_TWICE = """
 import json, sys, time
-from pgbroker import _db
+from pgbroker._pg import driver as _db
 for n in range(2):
     if n:
         sys.stdin.readline()
