@@ -22,6 +22,7 @@ from .._pg import libpq as _pq
 from .._pg import outcomes as _outcomes
 from .._pg import store as _store
 from .._pg.catalogue import queries
+from .._pg.claim_retry import ClaimRetry, Step
 from .._pg.store import CLAIM_LOCK_TIMEOUT
 from ..settings import Settings
 
@@ -72,7 +73,7 @@ class LoopStatements:
         self._replan_at = monotonic() + _store.REPLAN_SECONDS  # as in Store (read at use)
         self._sent: tuple[bytes, list[bytes], list[tuple[uuid.UUID, int]]] | None = None
         self._results: list[Any] = []
-        self._retries = 0
+        self._retry = ClaimRetry()  # what the statement in flight does when it fails
         #: acks that met a row lock of another session: see take_locked
         self._locked: list[tuple[uuid.UUID, int]] = []
 
@@ -149,31 +150,19 @@ class LoopStatements:
             (res,), self._results = self._results, []
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
                 error = psycopg.errors.error_from_result(res)
-                if isinstance(error, _db.RERUN_ERRORS) and self._retries < _db.RERUN_TRIES - 1:
-                    # rolled back, acks included (see Store.claim): send it again
-                    self._retries += 1
-                    self._send(name, values, acks)
-                    continue
-                if isinstance(error, psycopg.errors.LockNotAvailable):
-                    if acks and name != b"pgbroker_ack":
-                        # an ack's row is locked by another session: claim without the acks
-                        self._locked.extend(acks)
-                        values, acks = self._without_acks(name, values), []
-                    # else a table lock (LOCK TABLE, CREATE INDEX): wait for it, a slice a time
-                    self._send(name, values, acks)
-                    continue
-                self._retries = 0
-                if acks and not _db.lost_connection(error):
-                    # Failed on a living connection (a full disk, a timeout, a trigger): the
-                    # acks' updates may be what failed. They go to job_ack, tried again until
-                    # made (pgbroker._consume.settle); the claim is sent again without them.
+                step = self._retry.step(error, bool(acks), claim=name != b"pgbroker_ack")
+                if step is Step.RAISE:
+                    self._retry.done()
+                    raise error
+                if step is Step.WITHOUT_ACKS:  # (they go to job_ack: see take_locked)
                     self._locked.extend(acks)
-                    if name != b"pgbroker_ack":
-                        self._send(name, self._without_acks(name, values), [])
-                        continue
-                    return []
-                raise error
-            self._retries = 0
+                    if name == b"pgbroker_ack":
+                        self._retry.done()
+                        return []
+                    values, acks = self._without_acks(name, values), []
+                self._send(name, values, acks)
+                continue
+            self._retry.done()
             self._tx.set_pgresult(res)
             if name == b"pgbroker_ack":  # job_ack: (id, attempt, done, state, task, error)
                 done = self._tx.load_rows(0, res.ntuples, tuple)

@@ -40,6 +40,7 @@ from . import driver as _db
 from . import libpq as _pq
 from . import outcomes as _outcomes
 from .catalogue import Queries
+from .claim_retry import ClaimRetry, Step
 from .retry import retried
 
 __all__ = ["Store", "NewJob", "BROADCAST_TTL"]
@@ -198,12 +199,14 @@ class Store:
             self._conn = None
 
     def _execute(self, name: str, params: dict[str, Any] | None = None, binary: bool = False,
-                 durable: bool = True, lock_timeout: float | None = None) -> psycopg.Cursor[Any]:
+                 durable: bool = True, lock_timeout: float | None = None,
+                 rerun: bool = True) -> psycopg.Cursor[Any]:
         """Run a named query. ``durable=False`` marks consumer bookkeeping (claim, ack,
         requeue), which commits without waiting for the WAL flush unless ``durable_acks``.
         ``lock_timeout``: seconds the statement may wait for a lock, longer raises
         ``psycopg.errors.LockNotAvailable``; None: the connection's own setting (the URL's
-        ``options``, else PostgreSQL's default: no limit)."""
+        ``options``, else PostgreSQL's default: no limit). ``rerun=False``: a deadlock or a
+        moved row is the caller's to send again (the claim's :class:`ClaimRetry`)."""
         sync = self.settings.durable_acks if not durable else (
             self.settings.durable_publish if name in _PUBLISHES else True)
         self._check_fork()
@@ -220,7 +223,7 @@ class Store:
                 except _db.RERUN_ERRORS:
                     # rolled back whole: sent again, unless it ran in a transaction of the
                     # caller's (then the caller's to handle)
-                    if tries == _db.RERUN_TRIES \
+                    if not rerun or tries == _db.RERUN_TRIES \
                             or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                         raise
                     tries += 1
@@ -322,33 +325,30 @@ class Store:
         params = {"queue": queue, "limit": limit, "consumer": consumer, "ids": ids,
                   "attempts": attempts, **after_params(after)}
         name = "job_claim_gated" if gated else "job_claim"
-        # (a deadlock, about 1 in 15,000 claims with 4 busy consumers, or a row moved under the
-        # claim is sent again by _execute: rolled back, acks included)
+        retry = ClaimRetry()  # (a deadlock: about 1 in 15,000 claims with 4 busy consumers)
         while True:
             try:
                 cur = self._execute(name, params, binary=True, durable=False,
-                                    lock_timeout=CLAIM_LOCK_TIMEOUT if ids else None)
+                                    lock_timeout=CLAIM_LOCK_TIMEOUT if ids else None,
+                                    rerun=False)
                 rows = cur.fetchall()
-                if name == "job_claim" and rows and any(is_gate_marker(r) for r in rows):
-                    # the acks made: job_dead for those that ended dead, then the gated claim
-                    _outcomes.claimed([JobRow(*r) for r in rows if not is_gate_marker(r)])
-                    name, ids, attempts = "job_claim_gated", [], []
-                    params.update(ids=ids, attempts=attempts)
-                    continue
-                break
-            except psycopg.errors.LockNotAvailable:
-                _keep_locked(list(zip(ids, attempts)), locked, "ack")
-                ids, attempts = [], []
-                params.update(ids=ids, attempts=attempts)
             except psycopg.Error as exc:
-                if not ids or _db.lost_connection(exc):
+                step = retry.step(exc, bool(ids))
+                if step is Step.RAISE:
                     raise
-                # failed on a living connection (a full disk, a timeout): the acks go to job_ack,
-                # tried again until made (pgbroker._consume.settle), and the claim is made without
-                # them
-                _keep_locked(list(zip(ids, attempts)), locked, "ack")
-                ids, attempts = [], []
+                if step is Step.WITHOUT_ACKS:
+                    _keep_locked(list(zip(ids, attempts)), locked, "ack")
+                    ids, attempts = [], []
+                    params.update(ids=ids, attempts=attempts)
+                continue
+            retry.done()
+            if name == "job_claim" and rows and any(is_gate_marker(r) for r in rows):
+                # the acks made: job_dead for those that ended dead, then the gated claim
+                _outcomes.claimed([JobRow(*r) for r in rows if not is_gate_marker(r)])
+                name, ids, attempts = "job_claim_gated", [], []
                 params.update(ids=ids, attempts=attempts)
+                continue
+            break
         return Claimed.of(_outcomes.claimed([JobRow(*row) for row in rows]),
                           gated=name == "job_claim_gated")
 
