@@ -6,22 +6,12 @@ only ``broker_url = "pgbroker://user@host/db"``.
 
 from __future__ import annotations
 
-from . import signals  # noqa: F401 - signals: public
-from ._celery import (
-    endings as _endings,
-)
-from ._celery import (
-    failures as _failures,
-)
-from ._celery import (
-    inspect_scheduled as _scheduled,
-)
-from ._celery import (
-    prefetch as _prefetch,
-)
-from ._celery import (
-    startup as _startup,
-)
+from . import signals  # noqa: F401 - public
+from ._celery import endings as _endings
+from ._celery import failures as _failures
+from ._celery import inspect_scheduled as _inspect_scheduled
+from ._celery import prefetch as _prefetch
+from ._celery import startup as _startup
 from ._celery.complete import complete
 from .aio import aenqueue, aenqueue_many, atransaction
 from .enqueue import enqueue, enqueue_many, transaction
@@ -64,9 +54,10 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+# what pgbroker does in Celery's processes: connected to Celery's signals once, when imported
 register_scheme()
 _failures.connect()
 _endings.connect()
-_scheduled.connect()
+_inspect_scheduled.connect()
 _startup.connect()
 _prefetch.connect()

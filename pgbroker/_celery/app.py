@@ -1,8 +1,8 @@
 """Which pgbroker broker a Celery app uses: its connection string and its settings.
 
 Everything that reaches the broker's database from outside a kombu connection (enqueue, beat,
-the task-failure hook, the command line's ``-A``) asks here: the one answer. No I/O: kombu only parses the app's ``broker_url`` and
-``broker_transport_options``.
+the task-failure hook, the command line's ``-A``) asks here: the one answer. No I/O: kombu only
+parses the app's ``broker_url`` and ``broker_transport_options``.
 """
 
 from __future__ import annotations

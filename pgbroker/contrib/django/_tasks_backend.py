@@ -33,11 +33,12 @@ from . import conf, transaction
 from .conf import TASK_NAME
 
 try:  # optional: Django 6's task framework, else the django-tasks backport
-    from django.tasks import DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE  # type: ignore[import-not-found]
-    from django.tasks import TaskResult, TaskResultStatus
+    from django.tasks import (  # type: ignore[import-not-found]
+        DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE, TaskResult, TaskResultStatus)
     from django.tasks.backends.base import BaseTaskBackend  # type: ignore[import-not-found]
     from django.tasks.base import TaskError  # type: ignore[import-not-found]
-    from django.tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist  # type: ignore[import-not-found]
+    from django.tasks.exceptions import (  # type: ignore[import-not-found]
+        InvalidTaskError, TaskResultDoesNotExist)
 except ImportError:
     from django_tasks import DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE
     from django_tasks import TaskResult, TaskResultStatus
