@@ -38,8 +38,12 @@ def child(server: str, mode: str, fast: bool) -> None:
     import uuid6
 
     import pgbroker
-    from pgbroker._model.job import NewJob, row_params
-    from pgbroker._pg.catalogue import queries
+    try:
+        from pgbroker._model.job import NewJob, row_params
+        from pgbroker._pg.catalogue import queries
+    except ImportError:  # a tree from before the wings (issue 28)
+        from pgbroker._jobs import NewJob, row_params  # type: ignore[no-redef]
+        from pgbroker._sql import queries  # type: ignore[no-redef]
     from tests.bench.benchapp import TASK_NAME, make_app
     from tests.bench.harness import bench_database
 
