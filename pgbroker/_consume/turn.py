@@ -1,8 +1,9 @@
 """The event loop's statements: claims and acks sent on the LISTEN connection without waiting.
 
-:class:`LoopStatements` prepares ``job_claim``, ``job_claim_gated`` and ``job_ack`` once on the consumer's LISTEN
-connection (:mod:`pgbroker._consume.consumer` owns it) and sends them through
-:mod:`pgbroker._pg.libpq`; the loop reads their rows when the socket says they are there.
+:class:`LoopStatements` prepares ``job_claim``, ``job_claim_gated`` and ``job_ack`` once on the
+consumer's LISTEN connection (:mod:`pgbroker._consume.consumer` owns it) and sends them through
+:mod:`pgbroker._pg.libpq`; the loop reads their rows when the socket says they are there. Its
+plan and commit settings are the session's (:mod:`pgbroker._pg.session`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .._model.text import register_jsonb_loaders
 from .._pg import driver as _db
 from .._pg import libpq as _pq
 from .._pg import outcomes as _outcomes
-from .._pg import store as _store
+from .._pg import session as _session
 from .._pg.catalogue import queries
 from .._pg.claim_retry import ClaimRetry, Step
 from .._pg.store import CLAIM_LOCK_TIMEOUT
@@ -70,7 +71,7 @@ class LoopStatements:
                                 [self._TYPES[n] for n in self._order[name]])
         register_jsonb_loaders(conn)  # as in Store.connect
         self._tx = Transformer(conn)
-        self._replan_at = monotonic() + _store.REPLAN_SECONDS  # as in Store (read at use)
+        self._replan_at = monotonic() + _session.REPLAN_SECONDS  # as in Session (read at use)
         self._sent: tuple[bytes, list[bytes], list[tuple[uuid.UUID, int]]] | None = None
         self._results: list[Any] = []
         self._retry = ClaimRetry()  # what the statement in flight does when it fails
@@ -125,7 +126,7 @@ class LoopStatements:
             else:
                 if monotonic() >= self._replan_at:  # see REPLAN_SECONDS
                     _pq.run(self._pgconn, b"DISCARD PLANS")
-                    self._replan_at = monotonic() + _store.REPLAN_SECONDS
+                    self._replan_at = monotonic() + _session.REPLAN_SECONDS
                 _pq.send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values, acks)
 

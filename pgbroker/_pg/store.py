@@ -1,10 +1,12 @@
 """The broker's statements: one :class:`Store` per broker connection.
 
 Its statements are named blocks of ``sql/*.sql``, run through
-:class:`pgbroker._pg.catalogue.Queries`; what a message to insert is, and how it becomes parameters,
-is :mod:`pgbroker._model.job`. A store owns one psycopg connection in autocommit mode: every method
-is one statement, so one short transaction, and psycopg serialises calls from several threads (an
-ack from a thread pool, a heartbeat thread).
+:class:`pgbroker._pg.catalogue.Queries`; what a message to insert is, and how it becomes
+parameters, is :mod:`pgbroker._model.job`. A store runs them on its
+:class:`~pgbroker._pg.session.Session`: one psycopg connection in autocommit mode and the
+policy every statement runs under. Every method is one statement, so one short transaction, and
+the session serialises calls from several threads (an ack from a thread pool, a heartbeat
+thread).
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ import dataclasses
 import logging
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from time import monotonic
 from typing import Any
 
 import psycopg
@@ -33,24 +33,15 @@ from .._model.job import (
     row_params,
     row_text_params,
 )
-from .._model.text import escape, register_jsonb_loaders
-from ..migrate import connect_ready
+from .._model.text import escape
 from ..settings import Settings
-from . import driver as _db
 from . import libpq as _pq
 from . import outcomes as _outcomes
-from .catalogue import Queries
 from .claim_retry import ClaimRetry, Step
 from .retry import retried
+from .session import POOLER_ERRORS, Session
 
 __all__ = ["Store", "NewJob", "BROADCAST_TTL"]
-
-#: Seconds a prepared statement's plan is kept (then ``DISCARD PLANS``). PostgreSQL replans a
-#: cached plan only after an ANALYZE or a schema change; a plan made while ``jobs`` was nearly
-#: empty (a new schema, before autovacuum's first ANALYZE, or with autovacuum off) reads the
-#: whole table on every claim once it has grown: 80 tasks/s instead of 1,100 at 65,000 rows.
-#: Planned again, the same statement uses the indexes, as the planner sees the table's size.
-REPLAN_SECONDS = 10.0
 
 #: Seconds after its end that a minute is rolled up (stats_rollup): rows are stamped with their
 #: transaction's start, so a row stamped in a minute may commit a little after it.
@@ -69,13 +60,6 @@ BROADCAST_TTL = 60.0
 #: Seconds a maintenance statement (the sweeper's) waits for a lock before that step is skipped
 #: until the next sweep: a lock held by another session must not hold up the lease's thread.
 MAINTENANCE_LOCK_TIMEOUT = 1.0
-
-#: Statements that create messages: durable unless the user opts into fast publishing.
-#: What a transaction pooler does to prepared statements: the next transaction runs on another
-#: server session, which lacks the statement (or has another client's of the same name).
-_POOLER_ERRORS = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
-
-_PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcast_insert"})
 
 #: Parameters of job_insert sent in binary format (bytea).
 _BINARY_PARAMS = frozenset({"body", "message_digest"})
@@ -104,149 +88,29 @@ class Store:
     def __init__(self, conninfo: str, settings: Settings, *, application_name: str = "pgbroker"):
         self.conninfo = conninfo
         self.settings = settings
-        self.q = Queries(settings.schema)
-        self._application_name = application_name
-        self._conn: psycopg.Connection[Any] | None = None
-        self._lock = threading.Lock()
-        self._exec_lock = threading.RLock()
-        self._sync: bool | None = None  # the connection's synchronous_commit, as last set
-        self._lock_timeout: float | None = None  # its lock_timeout as last set (None: its own)
-        self._prepared: dict[str, list[str]] = {}  # statements prepared on it: parameter names
-        self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
-        self._pid = os.getpid()
-        #: through a transaction pooler: said (``transaction_pooling``) or found at the first
-        #: statement it broke (:meth:`_pooler_found`)
-        self.pooled = settings.transaction_pooling
-        #: called with every new connection, under the store's lock (a lease takes its advisory
-        #: lock again: it went with the old session)
-        self.on_connect: list[Any] = []
+        self.session = Session(conninfo, settings, application_name=application_name)
+        self.q = self.session.q
+        self._execute = self.session.execute
 
-    # -- connection ------------------------------------------------------------------------------
-
-    def connect(self) -> psycopg.Connection[Any]:
-        """Open the connection (migrating or checking the schema first); idempotent."""
-        self._check_fork()
-        with self._lock:
-            if _db.owned(self._conn) and not _db.superseded(self._conn):
-                assert self._conn is not None
-                return self._conn
-            _db.close(self._conn)  # on the old primary (superseded); else a no-op
-            self._conn = None  # inherited through fork, or closed: never reuse
-            # psycopg prepares a statement at its 5th execution; PostgreSQL would then still
-            # plan it anew on every execution (its custom plans look cheaper), which was 40 %
-            # of a claim. Every statement here is written for its generic plan, and the
-            # claim's is asserted in tests/bench/test_query_plans.py.
-            conn = connect_ready(
-                self.conninfo, self.settings, application_name=self._application_name,
-                what="checking the pgbroker schema", setup=self._session_setup)
-            register_jsonb_loaders(conn)  # claimed rows: unescaped, and one bad row alone
-            for hook in list(self.on_connect):
-                hook(conn)
-            self._conn = conn
-            self._sync = None
-            self._lock_timeout = None
-            self._prepared = {}
-            self._replan_at = monotonic() + REPLAN_SECONDS
-            return conn
-
-    def _session_setup(self, conn: psycopg.Connection[Any]) -> None:
-        if self.pooled:  # a session setting would stay on a server session of other clients
-            conn.prepare_threshold = None
-        else:
-            conn.execute("SET plan_cache_mode = force_generic_plan")
-
-    def _pooler_found(self, exc: BaseException) -> None:
-        """A prepared statement went missing, or was there already: a transaction pooler hands
-        this connection a different server session per transaction. From now on: nothing
-        prepared, no session settings (the failed statement did not run: it is sent again)."""
-        if not self.pooled:
-            logger.warning("pgbroker: %s -- the connection goes through a transaction pooler "
-                           "(PgBouncer?); statements are no longer prepared on it (set the "
-                           "transport option transaction_pooling: True to say so)",
-                           str(exc).strip().splitlines()[0])
-        self.pooled = True
-        if self._conn is not None and not self._conn.closed:
-            self._conn.prepare_threshold = None
+    # -- the session's -----------------------------------------------------------------------
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
-        conn = self._conn
-        if (conn is None or conn.closed or getattr(conn, "_pgbroker_pid", None) != os.getpid()
-                or _db.superseded(conn)):
-            return self.connect()
-        return conn
+        return self.session.conn
 
-    def _check_fork(self) -> None:
-        """In a forked child: new locks (a parent thread may have held them at the fork) and
-        no connection (the parent's session is not ours to use or close)."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._lock = threading.Lock()
-            self._exec_lock = threading.RLock()
-            self.on_connect = []  # the parent's leases are not this process's
-            self._conn = None
-            self._sync = None
-            self._lock_timeout = None
+    @property
+    def on_connect(self) -> list[Any]:
+        """Called with every new connection (see :class:`Session`)."""
+        return self.session.on_connect
 
-    def statement_lock(self) -> Any:  # held to run statements on .conn directly (re-entrant)
-        self._check_fork()
-        return self._exec_lock
+    def connect(self) -> psycopg.Connection[Any]:
+        return self.session.connect()
+
+    def statement_lock(self) -> Any:
+        return self.session.statement_lock()
 
     def close(self) -> None:
-        self._check_fork()
-        with self._lock:
-            _db.close(self._conn)
-            self._conn = None
-
-    def _execute(self, name: str, params: dict[str, Any] | None = None, binary: bool = False,
-                 durable: bool = True, lock_timeout: float | None = None,
-                 rerun: bool = True) -> psycopg.Cursor[Any]:
-        """Run a named query. ``durable=False`` marks consumer bookkeeping (claim, ack,
-        requeue), which commits without waiting for the WAL flush unless ``durable_acks``.
-        ``lock_timeout``: seconds the statement may wait for a lock, longer raises
-        ``psycopg.errors.LockNotAvailable``; None: the connection's own setting (the URL's
-        ``options``, else PostgreSQL's default: no limit). ``rerun=False``: a deadlock or a
-        moved row is the caller's to send again (the claim's :class:`ClaimRetry`)."""
-        sync = self.settings.durable_acks if not durable else (
-            self.settings.durable_publish if name in _PUBLISHES else True)
-        self._check_fork()
-        with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
-            conn = self.conn
-            self._before_statement(conn, sync, lock_timeout)
-            tries = 1
-            while True:
-                try:
-                    return self.q.execute(conn, name, params, binary=binary)
-                except _POOLER_ERRORS as exc:
-                    self._pooler_found(exc)
-                    return self.q.execute(conn, name, params, binary=binary)
-                except _db.RERUN_ERRORS:
-                    # rolled back whole: sent again, unless it ran in a transaction of the
-                    # caller's (then the caller's to handle)
-                    if not rerun or tries == _db.RERUN_TRIES \
-                            or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                        raise
-                    tries += 1
-
-    def _before_statement(self, conn: psycopg.Connection[Any], sync: bool,
-                          lock_timeout: float | None = None) -> None:
-        """Before every statement: drop the cached plans when they are due (``REPLAN_SECONDS``;
-        the statements stay prepared, for psycopg's cache and ours), and set
-        ``synchronous_commit`` and ``lock_timeout`` for this statement (each only when it
-        changes: maintenance and the claim set a timeout, the rest do not). Through a
-        transaction pooler, none of it: the server's own settings apply."""
-        if self.pooled:
-            return
-        if monotonic() >= self._replan_at:
-            conn.execute("DISCARD PLANS")
-            self._replan_at = monotonic() + REPLAN_SECONDS
-        if self._sync is not sync:
-            conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
-            self._sync = sync
-        if self._lock_timeout != lock_timeout:
-            conn.execute("RESET lock_timeout" if lock_timeout is None
-                         else f"SET lock_timeout = {int(lock_timeout * 1000)}")
-            self._lock_timeout = lock_timeout
+        self.session.close()
 
     # -- publish ---------------------------------------------------------------------------------
 
@@ -255,29 +119,25 @@ class Store:
         here rather than by psycopg's adaptation (a quarter less client CPU per INSERT)."""
         params = row_text_params(job)
         params["channel"] = self.settings.channel.encode()
-        sync = self.settings.durable_publish
-        self._check_fork()
-        if self.pooled:
+        if self.session.pooled:
             self._insert_unprepared(job)
             return
-        with self._exec_lock, _db.translate_errors("pgbroker job_insert"):
-            conn = self.conn
-            self._before_statement(conn, sync)
+        with self.session.statement("job_insert", self.settings.durable_publish) as conn:
             pgconn = conn.pgconn
             try:
-                names = self._prepared.get("job_insert")
+                names = self.session.prepared.get("job_insert")
                 if names is None:
                     text, names = _pq.numbered(self.q["job_insert"])
                     _pq.prepare(pgconn, b"pgbroker_insert", text)
-                    self._prepared["job_insert"] = names
+                    self.session.prepared["job_insert"] = names
                 _pq.send(pgconn, b"pgbroker_insert", [params[n] for n in names],
                          [1 if n in _BINARY_PARAMS else 0 for n in names])
                 results: list[Any] = []
                 _pq.collect(pgconn, results, wait=True)
                 for result in results:
                     _pq.check(result)
-            except _POOLER_ERRORS as exc:  # nothing was inserted: sent again, unprepared
-                self._pooler_found(exc)
+            except POOLER_ERRORS as exc:  # nothing was inserted: sent again, unprepared
+                self.session.pooler_found(exc)
                 self._insert_unprepared(job)
                 return
         if not results[-1].ntuples:  # no NOTIFY: nothing was inserted
@@ -537,15 +397,12 @@ class Store:
             return 0
         params = {"lag": ROLLUP_LAG, "minutes": minutes,
                   "backfill": min(self.settings.retention, 86400.0)}
-        self._check_fork()
-        with self._exec_lock, _db.translate_errors("pgbroker stats_rollup"):
-            conn = self.conn
-            self._before_statement(conn, True, MAINTENANCE_LOCK_TIMEOUT)
-            with conn.transaction():
-                # Its estimates (a function over a range known only at run time) pass
-                # jit_above_cost, and compiling took a second where running takes milliseconds.
-                conn.execute("SET LOCAL jit = off")
-                row = self.q.one(conn, "stats_rollup", params)
+        with self.session.statement("stats_rollup", True, MAINTENANCE_LOCK_TIMEOUT) as conn, \
+                conn.transaction():
+            # Its estimates (a function over a range known only at run time) pass
+            # jit_above_cost, and compiling took a second where running takes milliseconds.
+            conn.execute("SET LOCAL jit = off")
+            row = self.q.one(conn, "stats_rollup", params)
         return int(row[0]) + int(row[1])
 
     # -- exchanges, bindings, broadcasts ---------------------------------------------------------

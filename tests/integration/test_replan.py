@@ -17,7 +17,7 @@ import uuid
 import psycopg
 import pytest
 
-import pgbroker._pg.store
+import pgbroker._pg.session
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.libpq import numbered as _numbered
 from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, publish, store_for
@@ -27,7 +27,7 @@ INTERVAL = 1.0  # REPLAN_SECONDS for these tests
 
 @pytest.fixture(autouse=True)
 def _short_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pgbroker._pg.store, "REPLAN_SECONDS", INTERVAL)
+    monkeypatch.setattr(pgbroker._pg.session, "REPLAN_SECONDS", INTERVAL)
 
 
 def grow(pg: psycopg.Connection, rows: int = 20_000) -> None:
