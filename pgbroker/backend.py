@@ -94,7 +94,7 @@ from ._model.text import ESCAPED, escape, escape_json, storable
 from ._pg import driver as _db
 from ._pg.catalogue import Queries
 from ._pg.retry import TRIES, retried, statement_failure
-from ._pg.store import Store
+from ._pg.session import Session
 from .errors import ConfigurationError, DatabaseUnavailable, JobDead
 from .settings import Settings
 
@@ -163,9 +163,9 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         self.chord_keep = max(self.chord_ttl, self.expires) if self.chord_ttl and self.expires else 0
         join_timeout = conf.result_chord_join_timeout or 5.0
         self.chord_reclaim_after = timedelta(seconds=max(10.0, 2 * float(join_timeout)))
-        # The core Store owns connecting: migrating (or checking) the schema first, reopening
-        # after fork; this backend only runs its own statements on Store.conn.
-        self._store = Store(self.conninfo, self.options, application_name="pgbroker results")
+        # The session owns connecting (migrating or checking the schema first, reopening after
+        # fork) and the policy of every statement, as for the broker's own
+        self._session = Session(self.conninfo, self.options, application_name="pgbroker results")
         self.result_consumer = ResultConsumer(self, self.app, self.accept,
                                               self._pending_results, self._pending_messages)
 
@@ -178,7 +178,7 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
     def close(self) -> None:
         """Close this process's connections (they reopen on next use)."""
         self.result_consumer.stop()
-        self._store.close()
+        self._session.close()
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         """Connection losses are retried when ``result_backend_always_retry`` is on."""
@@ -192,14 +192,14 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         restart since the last use) is replaced and the statement sent once more when ``retry``
         (every statement is idempotent but ``incr``)."""
         while True:
-            conn = self._store.conn
+            conn = self._session.conn
             try:
-                return self.q.execute(conn, name, params, binary=True,
-                                      what=f"pgbroker result backend ({name})")
+                return self._session.execute(name, dict(params), binary=True,
+                                             what=f"pgbroker result backend ({name})")
             except DatabaseUnavailable:
                 if not (conn.broken or conn.closed):
                     raise
-                self._store.close()
+                self._session.close()
                 if not retry:
                     raise
                 retry = False

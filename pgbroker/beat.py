@@ -94,9 +94,9 @@ from ._model.schedule import (
 )
 from ._pg import driver as _db
 from ._pg.catalogue import Queries
+from ._pg.session import Session
 from .enqueue import enqueue
 from .errors import ConfigurationError
-from .migrate import connect_ready
 from .schedules import ENQUEUE_OPTIONS, EntryConfig, Schedules, entry_config, save_entry
 
 __all__ = [
@@ -165,13 +165,16 @@ class Scheduler(celery_beat.Scheduler):
     def __init__(self, app: Any, *args: Any, now: Callable[[], datetime] | None = None,
                  **kwargs: Any):
         self._clock = now
-        self._conn: psycopg.Connection[Any] | None = None
         self._configs: dict[str, EntryConfig] = {}
         self._synced = False
         self._refreshed_at = 0.0
         broker = broker_of(app)  # without connecting; a ConfigurationError unless pgbroker's
         self.conninfo, self.settings = broker.conninfo, broker.settings
         self._q = Queries(self.settings.schema)
+        # A beat frozen inside a firing (SIGSTOP, a hung host) must not keep its entry locked:
+        # the others skip locked entries (beat_session)
+        self._session = Session(self.conninfo, self.settings, application_name="pgbroker beat",
+                                setup=lambda c: c.execute(self._q["beat_session"]))
         super().__init__(app, *args, **kwargs)
 
     # -- Celery's interface ----------------------------------------------------------------------
@@ -399,18 +402,9 @@ class Scheduler(celery_beat.Scheduler):
         return self._q.one(conn, "beat_clock", what=what)[0]
 
     def connection(self) -> psycopg.Connection[Any]:
-        """The scheduler's own connection (autocommit; each firing is an explicit transaction)."""
-        if _db.owned(self._conn):
-            assert self._conn is not None
-            return self._conn
-        # A beat frozen inside a firing (SIGSTOP, a hung host) must not keep its entry locked:
-        # the others skip locked entries.
-        conn = connect_ready(self.conninfo, self.settings, application_name="pgbroker beat",
-                             what="pgbroker beat",
-                             setup=lambda c: c.execute(self._q["beat_session"]))
-        self._conn = conn
-        return conn
+        """The scheduler's own connection (autocommit; each firing is an explicit transaction),
+        opened and kept by its session (migrated or checked, opened again after fork)."""
+        return self._session.conn
 
     def close_connection(self) -> None:
-        _db.close(self._conn)
-        self._conn = None
+        self._session.close()

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any
 
@@ -52,11 +52,13 @@ _PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcas
 class Session:
     """One connection and its statement policy (see the module docstring)."""
 
-    def __init__(self, conninfo: str, settings: Settings, *, application_name: str = "pgbroker"):
+    def __init__(self, conninfo: str, settings: Settings, *, application_name: str = "pgbroker",
+                 setup: Callable[[psycopg.Connection[Any]], None] | None = None):
         self.conninfo = conninfo
         self.settings = settings
         self.q = Queries(settings.schema)
         self._application_name = application_name
+        self._setup = setup  # the owner's own settings of a new connection (beat's)
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._exec_lock = threading.RLock()
@@ -106,6 +108,8 @@ class Session:
             conn.prepare_threshold = None
         else:
             conn.execute("SET plan_cache_mode = force_generic_plan")
+        if self._setup is not None:
+            self._setup(conn)
 
     def pooler_found(self, exc: BaseException) -> None:
         """A prepared statement went missing, or was there already: a transaction pooler hands
@@ -152,17 +156,18 @@ class Session:
 
     def execute(self, name: str, params: dict[str, Any] | None = None, binary: bool = False,
                  durable: bool = True, lock_timeout: float | None = None,
-                 rerun: bool = True) -> psycopg.Cursor[Any]:
+                 rerun: bool = True, what: str | None = None) -> psycopg.Cursor[Any]:
         """Run a named query. ``durable=False`` marks consumer bookkeeping (claim, ack,
         requeue), which commits without waiting for the WAL flush unless ``durable_acks``.
         ``lock_timeout``: seconds the statement may wait for a lock, longer raises
         ``psycopg.errors.LockNotAvailable``; None: the connection's own setting (the URL's
         ``options``, else PostgreSQL's default: no limit). ``rerun=False``: a deadlock or a
-        moved row is the caller's to send again (the claim's :class:`ClaimRetry`)."""
+        moved row is the caller's to send again (the claim's :class:`ClaimRetry`). ``what``:
+        the statement as its errors name it (default: ``pgbroker <name>``)."""
         sync = self.settings.durable_acks if not durable else (
             self.settings.durable_publish if name in _PUBLISHES else True)
         self._check_fork()
-        with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
+        with self._exec_lock, _db.translate_errors(what or f"pgbroker {name}"):
             conn = self.conn
             self._before_statement(conn, sync, lock_timeout)
             tries = 1
