@@ -53,7 +53,7 @@ class Session:
     """One connection and its statement policy (see the module docstring)."""
 
     def __init__(self, conninfo: str, settings: Settings, *, application_name: str = "pgbroker",
-                 setup: Callable[[psycopg.Connection[Any]], None] | None = None):
+                 setup: Callable[[psycopg.Connection[Any]], object] | None = None):
         self.conninfo = conninfo
         self.settings = settings
         self.q = Queries(settings.schema)
