@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from tests.chaos.load import CHAOS_TASKS, LoadProducer, wait_all_completed
-from tests.e2e.support import start_worker
+from tests.support.workers import start_worker
 from tests.support.processes import WorkerProcess
 
 TASKS = 5000

@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 import pgbroker
 from pgbroker._complete import current_delivery
 from pgbroker._localdb import normalize_url
-from tests.e2e.app import RUNS_DDL
-from tests.e2e.app import _db  # an autocommit connection of this process, outside any task's
+from tests.apps.e2e_app import RUNS_DDL
+from tests.apps.e2e_app import _db  # an autocommit connection of this process, outside any task's
 
 BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127.0.0.1/postgres")
 DB_URL = normalize_url(BROKER_URL)

@@ -20,10 +20,8 @@ from celery import Celery
 
 from tests.e2e import jobsem_app as app_module
 from tests.e2e.jobsem_support import producer, worker  # noqa: F401 - fixture
-from tests.e2e.support import SHORT_LEASE
+from tests.support.workers import SHORT_LEASE
 from tests.support.processes import WorkerProcess, wait_for
-
-
 
 OPTIONS = SHORT_LEASE
 

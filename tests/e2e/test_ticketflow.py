@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from pgbroker._localdb import admin_url
 from tests.support.databases import drop_database
 from tests.support.processes import REPO_ROOT, run_beat, wait_for
-from tests.integration.ticketflow_support import (
+from tests.support.tickets import (
     confirmed,
     held,
     jobs_of,

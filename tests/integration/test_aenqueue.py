@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 import pgbroker
 from pgbroker._claims import parse_wake
 from pgbroker.errors import IdempotencyKeyRequired, SchemaError
-from tests.integration.enqueue_support import (
+from tests.support.enqueue import (
     ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)
 from tests.integration.test_enqueue import (  # noqa: F401 - app and mixed_app are fixtures
     BAD_CALLS, app, decoded_body, jobs, listener, mixed_app, mixed_items, notifications, things)

@@ -28,7 +28,7 @@ from celery.result import GroupResult
 from pgbroker._text import unescape, unescape_json
 from pgbroker.backend import DatabaseBackend
 from pgbroker.errors import ConfigurationError, JobDead, SchemaError
-from tests.e2e import results_app
+from tests.apps import results_app
 from tests.support.db import add_job
 
 BODY = results_app.NAME + "collect"  # the chord body of these tests (never run here)

@@ -35,12 +35,12 @@ from psycopg.rows import dict_row
 from pgbroker._localdb import admin_url
 from pgbroker.errors import DatabaseUnavailable, MessageError
 from pgbroker.transport import MAX_NAME_LENGTH
-from tests.chaos.pgserver_fixture import throwaway_server
+from tests.support.throwaway import throwaway_server
 from tests.support.databases import create_database, drop_database
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import WorkerProcess, run_worker, wait_for
-from tests.integration.transport_support import Collector, connect, jobs
+from tests.support.transport import Collector, connect, jobs
 
 SECRET = "n0t-in-any-message"
 _names = itertools.count(1)
@@ -70,10 +70,10 @@ def shared_pg(shared_url: str) -> Iterator[psycopg.Connection]:
 
 @pytest.fixture(scope="module")
 def worker(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """One ``celery worker`` of tests.e2e.app (accept_content: Celery's default, json only),
+    """One ``celery worker`` of tests.apps.e2e_app (accept_content: Celery's default, json only),
     with ``e2e.app`` publishing to the same database."""
     point_producer(e2e.app, "pgbroker+" + shared_url)
-    proc = run_worker("tests.e2e.app", "pgbroker+" + shared_url,
+    proc = run_worker("tests.apps.e2e_app", "pgbroker+" + shared_url,
                       log_dir=tmp_path_factory.mktemp("bad-input-worker"))
     try:
         yield proc.wait_ready(60)
@@ -103,7 +103,7 @@ def still_works(pg: psycopg.Connection, worker: WorkerProcess) -> None:
 
 
 def publish_raw(pg_url: str, task_id: str, body: bytes, content_type: str,
-                content_encoding: str = "binary", serializer_task: str = "tests.e2e.app.touch"
+                content_encoding: str = "binary", serializer_task: str = "tests.apps.e2e_app.touch"
                 ) -> None:
     """A Celery-shaped message with an arbitrary body and content type, through kombu."""
     headers = {"task": serializer_task, "id": task_id, "lang": "py", "argsrepr": "()",
@@ -164,7 +164,7 @@ def test_celery_pickle_serializer_is_refused_by_the_worker(
 
 def test_task_name_no_worker_knows_goes_dead(worker: WorkerProcess,
                                              shared_pg: psycopg.Connection) -> None:
-    result = e2e.app.send_task("tests.e2e.app.nobody_knows_me", args=("x",))
+    result = e2e.app.send_task("tests.apps.e2e_app.nobody_knows_me", args=("x",))
     dead = wait_dead(shared_pg, result.id)
     assert dead["last_error"], dead  # which reason: see the test below
     assert dead["attempts"] == 1
@@ -174,7 +174,7 @@ def test_task_name_no_worker_knows_goes_dead(worker: WorkerProcess,
 
 def test_task_name_no_worker_knows_is_named_in_last_error(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
-    result = e2e.app.send_task("tests.e2e.app.also_unknown", args=("x",))
+    result = e2e.app.send_task("tests.apps.e2e_app.also_unknown", args=("x",))
     wait_dead(shared_pg, result.id)
     # Celery rejects the message first (dead, "rejected by the consumer") and only then sends
     # task_unknown, whose hook writes the reason: wait for that second write.
@@ -208,8 +208,8 @@ def test_payload_over_max_message_size_is_refused_at_publish(
     size = limit or 16 * 1024 * 1024
     try:
         with pytest.raises(MessageError, match=rf"limit \(max_message_size\) is {size}"):
-            app.send_task("tests.e2e.app.touch", args=("x" * size,))
-        app.send_task("tests.e2e.app.touch", args=("x" * (size // 2),))  # under it: accepted
+            app.send_task("tests.apps.e2e_app.touch", args=("x" * size,))
+        app.send_task("tests.apps.e2e_app.touch", args=("x" * (size // 2),))  # under it: accepted
     finally:
         app.close()
     assert [r["state"] for r in jobs(pg)] == ["pending"]
@@ -344,7 +344,7 @@ def test_a_worker_on_a_missing_or_newer_schema_says_what_to_do(
         pg.execute("DROP SCHEMA pgbroker CASCADE")
     else:
         pg.execute("INSERT INTO pgbroker.migrations (version, name) VALUES (999, 'future')")
-    worker = run_worker("tests.e2e.app", broker_url, env={
+    worker = run_worker("tests.apps.e2e_app", broker_url, env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps({"auto_migrate": False})})
     wait_for(lambda: says in worker.log() or not worker.is_alive(), 60, interval=0.2,
              message=lambda: f"{says!r} in the worker's log:\n{worker.log()[-2000:]}")

@@ -15,7 +15,7 @@ import pytest
 from pgbroker._claims import after_params
 from pgbroker._sql import queries
 from pgbroker._store import Store
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     Collector,
     LoopConsumer,

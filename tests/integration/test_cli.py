@@ -23,8 +23,8 @@ import pytest
 from pgbroker.cli import main
 from pgbroker.migrate import MIGRATIONS
 from pgbroker.ops import os_user
-from tests.e2e import app as e2e
-from tests.e2e.support import job, key_runs, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import job, key_runs, start_worker
 from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
 from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs
 
@@ -418,23 +418,24 @@ def pgbroker_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess
 
 def test_dash_a_takes_the_url_and_the_schema_from_the_celery_app(
         broker_url: str, pg: psycopg.Connection) -> None:
-    # like celery -A: tests.e2e.app reads its broker URL and transport options from these
+    # like celery -A: tests.apps.e2e_app reads its broker URL and transport options from these
     env = {"PGBROKER_TEST_BROKER_URL": with_password(broker_url, "s3cret"),
            "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps({"schema": "appschema"}),
            "PGBROKER_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/elsewhere"}  # -A wins
-    done = pgbroker_cli("-A", "tests.e2e.app", "migrate", env=env)
+    done = pgbroker_cli("-A", "tests.apps.e2e_app", "migrate", env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("schema appschema: applied migration(s) 1,")
     pg.execute("INSERT INTO appschema.queues (name) VALUES ('only-in-appschema')")
-    done = pgbroker_cli("stats", "-A", "tests.e2e.app", "--json", env=env)  # after the command too
+    # -A after the command too
+    done = pgbroker_cli("stats", "-A", "tests.apps.e2e_app", "--json", env=env)
     assert done.returncode == 0, done.stderr
     assert [q["queue"] for q in json.loads(done.stdout)["queues"]] == ["only-in-appschema"]
     name = broker_url.rsplit("/", 1)[1]
     assert done.stderr.splitlines()[0] == (
         f"pgbroker: database postgresql://postgres:**@127.0.0.1:5432/{name}, schema appschema "
-        "(from the Celery app tests.e2e.app)")
+        "(from the Celery app tests.apps.e2e_app)")
     # --schema and --database-url still win over the app
-    done = pgbroker_cli("-A", "tests.e2e.app", "--schema", "pgbroker", "stats", env=env)
+    done = pgbroker_cli("-A", "tests.apps.e2e_app", "--schema", "pgbroker", "stats", env=env)
     assert done.returncode == 0 and "schema pgbroker (from the Celery app" in done.stderr
 
 

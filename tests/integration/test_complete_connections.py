@@ -36,7 +36,7 @@ def _state(pg: psycopg.Connection, job: uuid.UUID) -> tuple[str, int | None]:
 def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -> None:
     from django.db import connection, transaction
 
-    from tests.django_project.shop.models import Order
+    from tests.apps.django_project.shop.models import Order
 
     job, task = _running(pg)
     task.app = client

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     LoopConsumer,
     connect,

@@ -22,7 +22,7 @@ from pgbroker._sql import queries
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job
 from tests.integration.test_sweeper_log import lost_consumer
-from tests.integration.transport_support import store_for
+from tests.support.transport import store_for
 
 
 @pytest.fixture
@@ -146,20 +146,3 @@ def test_cli_task_commands_stats_metrics_and_dead_runs(db_url: str, pg: psycopg.
     code, out, _ = cli("dead", "list")
     line = next(line for line in out.splitlines() if "t.flaky" in line)
     assert "4 (3 retries)" in line and "1/5" in line
-
-
-def test_the_claim_stays_an_index_walk_with_a_task_paused(db_url: str,
-                                                          pg: psycopg.Connection) -> None:
-    """The paused-task filter must not turn the claim into a bitmap scan and a sort of the
-    backlog (as a NOT EXISTS per row, or a filter on task's own statistics, did)."""
-    from tests.bench import test_query_plans as plans
-    from tests.bench.harness import fill
-
-    fill(db_url, plans.SAMPLE, "celery", "completed", 200_000)
-    fill(db_url, plans.SAMPLE, "celery", "pending", plans.BACKLOG)
-    pg.execute("INSERT INTO pgbroker.task_pauses (task, paused_by, reason) "
-               "VALUES ('bench.other', 'test', 'test')")
-    pg.execute("ANALYZE pgbroker.jobs")
-    claim = queries("pgbroker")["job_claim"]
-    plans._assert_uses_claim_index(plans._custom_plan(pg, claim))
-    plans._assert_uses_claim_index(plans._generic_plan(pg, claim))

@@ -11,7 +11,7 @@ import pytest
 
 from pgbroker.errors import ConfigurationError, SchemaError
 from pgbroker.migrate import MIGRATIONS, check, latest_version, migrate
-from tests.integration.transport_support import Collector, connect, jobs, publish
+from tests.support.transport import Collector, connect, jobs, publish
 
 ALL_VERSIONS = [m.version for m in MIGRATIONS]
 #: What the refusal of a newer schema must say: which versions, and what to do.

@@ -14,7 +14,7 @@ import pytest
 from pgbroker._lease import Lease
 from pgbroker._ratelimits import parse_rate_limits, write_rate_limits
 from pgbroker._store import Store
-from tests.integration.transport_support import counts, new_job, store_for
+from tests.support.transport import counts, new_job, store_for
 
 
 def limit(pg: psycopg.Connection, rates: dict[str, str]) -> None:

@@ -20,7 +20,7 @@ import pytest
 import pgbroker._store
 from pgbroker._sql import queries
 from pgbroker._pq import numbered as _numbered
-from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, publish, store_for
+from tests.support.transport import NO_POLL, LoopConsumer, connect, publish, store_for
 
 INTERVAL = 1.0  # REPLAN_SECONDS for these tests
 

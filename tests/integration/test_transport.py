@@ -32,7 +32,7 @@ from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, Message
 from pgbroker.sweeper import Sweeper, lock_class
 from pgbroker.transport import MAX_NAME_LENGTH, Transport
 from tests.support.processes import wait_for
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     Collector,
     age_consumer,

@@ -1,11 +1,11 @@
 """The fixtures more than one tier uses, loaded for every tier by ``tests/conftest.py``
 (``pytest_plugins``): no test module imports a fixture.
 
-* ``runs``, ``producer`` -- the e2e app (``tests/e2e/app.py``) publishing into this test's
+* ``runs``, ``producer`` -- the e2e app (``tests/apps/e2e_app.py``) publishing into this test's
   database, and its ``public.runs`` table: the e2e, chaos and some integration tests.
 * ``tf_url``, ``session``, ``event`` -- the ticketflow example on this test's database: its
   integration and e2e tests.
-* ``django_db`` -- the Django test project (``tests/django_project``) configured in this
+* ``django_db`` -- the Django test project (``tests/apps/django_project``) configured in this
   process, its ``default`` connection on this test's database: the Django tests.
 
 The Celery apps are imported by the fixtures that use them, not here: importing a Celery app
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 @pytest.fixture
 def runs(pg: psycopg.Connection) -> psycopg.Connection:
     """The test database with ``public.runs`` (one row per task run) created; returns ``pg``."""
-    from tests.e2e import app as e2e  # see the module docstring: the current app
+    from tests.apps import e2e_app as e2e  # see the module docstring: the current app
 
     pg.execute(e2e.RUNS_DDL)
     return pg
@@ -39,8 +39,9 @@ def runs(pg: psycopg.Connection) -> psycopg.Connection:
 
 @pytest.fixture
 def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
-    """``tests.e2e.app.app`` publishing into this test's database (default transport options)."""
-    from tests.e2e import app as e2e  # see the module docstring: the current app
+    """``tests.apps.e2e_app.app`` publishing into this test's database (default transport
+    options)."""
+    from tests.apps import e2e_app as e2e  # see the module docstring: the current app
 
     point_producer(e2e.app, broker_url)
     # Connect now, so a test's first publish is not slowed by connecting (and checking the
@@ -101,7 +102,7 @@ def _setup_django() -> None:
     from django.conf import settings
 
     if not settings.configured:
-        from tests.django_project import settings as project
+        from tests.apps.django_project import settings as project
 
         settings.configure(**{k: getattr(project, k) for k in dir(project) if k.isupper()})
         django.setup()

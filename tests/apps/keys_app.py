@@ -13,7 +13,7 @@ import time
 
 from celery import Celery
 
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 
 app = Celery("keysapp", broker=e2e.BROKER_URL)
 # e2e's configuration: task_acks_late above all -- a job is 'running' until its ack, and

@@ -1,6 +1,7 @@
-"""Workers and SQL look-ups shared by the end-to-end and chaos tests (real ``celery worker``s).
+"""Workers and SQL look-ups shared by the tests that run real ``celery worker``s (the e2e and
+chaos tiers, and a few integration tests).
 
-Their fixtures (``runs``, ``producer``: ``tests.e2e.app.app`` pointed at the test's database)
+Their fixtures (``runs``, ``producer``: ``tests.apps.e2e_app.app`` pointed at the test's database)
 are in :mod:`tests.support.fixtures`, loaded for every tier. Every figure a test reads (run
 times, latencies) comes from the database clock.
 """
@@ -34,7 +35,7 @@ SHORT_LEASE = {"lease_timeout": 3, "heartbeat_interval": 1, "sweep_interval": 1}
 
 
 def start_worker(broker_url: str, *args: str, options: Mapping[str, Any] | None = None,
-                 ready: bool = True, app: str = "tests.e2e.app") -> WorkerProcess:
+                 ready: bool = True, app: str = "tests.apps.e2e_app") -> WorkerProcess:
     """A ``celery worker`` of ``app`` (``-c 2`` unless ``args`` says otherwise) with these
     transport options; waits for its ``ready.`` line unless ``ready`` is False."""
     env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(dict(options))} if options else None
