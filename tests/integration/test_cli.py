@@ -1,8 +1,8 @@
 """Every ``pgbroker`` command against a real database, with its errors (exit status 2).
 
 Most commands run in-process through :func:`pgbroker.cli.main` (fast); the entry point itself,
-``sweep --loop`` and ``serve`` run as real subprocesses. The last tests drive real
-``celery worker`` processes: a paused queue is not claimed, and a retried dead job runs.
+``sweep --loop`` and ``serve`` run as real subprocesses. With real ``celery worker`` processes
+(a paused queue is not claimed, a retried dead job runs): tests/e2e/test_cli_worker.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pgbroker.cli import main
 from pgbroker.migrate import MIGRATIONS
 from pgbroker.ops import os_user
 from tests.apps import e2e_app as e2e
-from tests.support.workers import job, key_runs, start_worker
+from tests.support.workers import job
 from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
 from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs
 
@@ -465,61 +465,6 @@ def test_serve_on_a_busy_port_says_so_in_one_line(db_url: str) -> None:
     error = done.stderr.splitlines()[-1]
     assert error.startswith(f"pgbroker: error: cannot listen on 127.0.0.1:{port}: ")
     assert "--port" in error
-
-
-# -- with real workers ---------------------------------------------------------------------------
-
-def test_a_paused_queue_is_not_claimed_by_a_real_worker(cli: Run, producer, runs) -> None:
-    worker = start_worker(producer.conf.broker_url, "-Q", "celery,other")
-    assert cli("pause", "celery")[0] == 0
-    held = e2e.touch.apply_async(args=["held"], queue="celery")
-    e2e.touch.apply_async(args=["control"], queue="other")
-    # The worker consumes both queues: once the later job of the other queue has run, the
-    # paused one had every chance to be claimed first.
-    wait_for(lambda: key_runs(runs, "control"), 60, message="the control job to run")
-    assert key_runs(runs, "held") == []
-    assert job(runs, held.id)["state"] == "pending"
-    assert cli("resume", "celery")[0] == 0
-    wait_for(lambda: key_runs(runs, "held"), 60, message="the held job to run after resume")
-    worker.stop()
-
-
-def test_dead_letters_from_a_real_worker(cli: Run, producer, runs) -> None:
-    worker = start_worker(producer.conf.broker_url)
-    # A task that raises: dead with its error and traceback, retried, run again.
-    failed = e2e.boom.apply_async(args=["boom-1"])
-    wait_for(lambda: job(runs, failed.id)["state"] == "dead", 60, message="boom to go dead")
-    code, out, _ = cli("dead", "list")
-    [row] = out.splitlines()[1:]
-    assert "ValueError: boom boom-1" in row and "POISON" not in row
-    code, out, _ = cli("jobs", "show", failed.id)
-    assert "Traceback" in out
-    job_id = job(runs, failed.id)["id"]
-    assert cli("dead", "retry", str(job_id))[0] == 0
-    wait_for(lambda: len(key_runs(runs, "boom-1")) == 2, 60, message="the retried run")
-    wait_for(lambda: job(runs, failed.id)["state"] == "dead", 60, message="dead again")
-    assert job(runs, failed.id)["attempts"] == 1  # a fresh start, not attempt 2
-
-    # A job whose first attempt failed (the state the failure hook leaves), retried: it must
-    # complete, not be buried again by the failure recorded for its old attempt 1.
-    assert cli("pause", "celery")[0] == 0
-    sent = e2e.touch.apply_async(args=["second-chance"])
-    wait_for(lambda: job(runs, sent.id), 30, message="the job row")
-    runs.execute("UPDATE pgbroker.jobs SET state = 'dead', attempts = 1, failed_attempt = 1,"
-                 " last_error = 'Transient: first try' WHERE task_id = %s", (sent.id,))
-    assert cli("resume", "celery")[0] == 0
-    assert cli("dead", "retry", "--all")[0] == 0
-    wait_for(lambda: job(runs, sent.id)["state"] == "completed", 60,
-             message=lambda: f"the retried job to complete ({job(runs, sent.id)['state']})")
-
-    # A poison job: it kills its pool process on every delivery (2 here).
-    poison = e2e.suicide.apply_async(args=["poison-1"], headers={"max_attempts": 2})
-    wait_for(lambda: job(runs, poison.id)["state"] == "dead", 120, message="poison to go dead")
-    code, out, _ = cli("dead", "list", "--json")
-    flags = {r["task_id"]: r["poison"] for r in json.loads(out)}
-    assert flags == {poison.id: True, failed.id: False}
-    assert len(key_runs(runs, "poison-1")) == 2
-    worker.stop()
 
 
 def test_dead_letters_of_a_queue_whose_row_is_gone(cli: Run, pg: psycopg.Connection) -> None:

@@ -7,6 +7,8 @@
   integration and e2e tests.
 * ``django_db`` -- the Django test project (``tests/apps/django_project``) configured in this
   process, its ``default`` connection on this test's database: the Django tests.
+* ``cli`` -- ``pgbroker`` commands run in-process against this test's database: the integration
+  tests of the commands, and the e2e tests that drive real workers with them.
 
 The Celery apps are imported by the fixtures that use them, not here: importing a Celery app
 makes it Celery's current app, which a test that never asked for it must not see.
@@ -22,10 +24,25 @@ import pytest
 from celery import Celery, current_app
 from psycopg.conninfo import conninfo_to_dict
 
+from tests.support.processes import Run
 from tests.support.producers import drop_pools, point_producer
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+
+@pytest.fixture
+def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
+    """``cli("stats", "--json")`` -> (exit status, stdout, stderr), against the test database."""
+    from pgbroker.cli import main  # the commands: loaded by the tests that run them
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["--database-url", db_url, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
 @pytest.fixture
