@@ -9,7 +9,7 @@ of its own and checks that the worker still runs a task afterwards.
 Covered elsewhere (not repeated here): queue names with quotes, SQL, unicode, NUL bytes and
 overlong names (tests/integration/test_transport.py ``test_queue_names_are_data_*``,
 ``test_invalid_queue_names_*``), an undecodable body and a malformed row with a real worker
-(tests/e2e/test_worker.py), a dead port (test_transport.py
+(tests/e2e/test_worker.py), a dead port (tests/unit/test_transport_errors.py
 ``test_establish_connection_to_a_dead_port_fails_at_once``), a missing or newer schema through
 kombu (tests/integration/test_migrate.py).
 """

@@ -2,7 +2,8 @@
 
 Most commands run in-process through :func:`pgbroker.cli.main` (fast); the entry point itself,
 ``sweep --loop`` and ``serve`` run as real subprocesses. With real ``celery worker`` processes
-(a paused queue is not claimed, a retried dead job runs): tests/e2e/test_cli_worker.py.
+(a paused queue is not claimed, a retried dead job runs): tests/e2e/test_cli_worker.py; the help
+and an unreachable database: tests/unit/test_cli_usage.py.
 """
 
 from __future__ import annotations
@@ -46,23 +47,6 @@ def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
 
 # -- help, migrate, stats ------------------------------------------------------------------------
 
-COMMANDS = [["migrate"], ["stats"], ["jobs", "list"], ["jobs", "show"], ["dead", "list"],
-            ["dead", "retry"], ["dead", "discard"], ["cancel"], ["revoke"], ["purge"], ["pause"],
-            ["resume"], ["audit"], ["sweep"], ["serve"], ["health", "worker"],
-            ["health", "queue"], ["health", "beat"]]
-
-
-@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
-def test_help_explains_each_command(command: list[str], capsys: pytest.CaptureFixture[str]
-                                    ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main([*command, "--help"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert f"usage: pgbroker {' '.join(command)}" in out
-    assert "--database-url" in out and len(out.splitlines()) > 5
-
-
 def test_the_entry_point_runs_and_reports_usage_errors(db_url: str) -> None:
     done = subprocess.run([sys.executable, "-m", "pgbroker", "--database-url", db_url, "stats"],
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
@@ -94,11 +78,6 @@ def test_bad_database_url_and_schema_are_usage_errors(cli: Run, capsys: pytest.C
     assert code == 2 and "not a valid pgbroker schema name" in err
     assert main(["--database-url", "mysql://x@y/z", "stats"]) == 2
     assert "is not a PostgreSQL URL" in capsys.readouterr().err
-
-
-def test_unreachable_database_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--database-url", "postgresql://nobody@127.0.0.1:1/none", "stats"]) == 1
-    assert "cannot connect to PostgreSQL" in capsys.readouterr().err
 
 
 def test_stats_table_and_json(cli: Run, pg: psycopg.Connection, queue: str) -> None:
