@@ -30,7 +30,6 @@ import kombu
 import psycopg
 import pytest
 from celery import Celery
-from psycopg.rows import dict_row
 
 from pgbroker._localdb import admin_url
 from pgbroker.errors import DatabaseUnavailable, MessageError
@@ -41,6 +40,7 @@ from tests.apps import e2e_app as e2e
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 from tests.support.transport import Collector, connect, jobs
+from tests.support.workers import job, wait_state
 
 SECRET = "n0t-in-any-message"
 _names = itertools.count(1)
@@ -82,22 +82,11 @@ def worker(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         drop_pools(e2e.app)
 
 
-def row(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:
-    [found] = pg.cursor(row_factory=dict_row).execute(
-        "SELECT * FROM pgbroker.jobs WHERE task_id = %s", (task_id,)).fetchall()
-    return found
-
-
-def wait_dead(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:
-    return wait_for(lambda: (r := row(pg, task_id))["state"] == "dead" and r, 60, interval=0.1,
-                    message=lambda: f"job {task_id} dead (it is {row(pg, task_id)['state']})")
-
-
 def still_works(pg: psycopg.Connection, worker: WorkerProcess) -> None:
     """The worker is alive and runs the next task."""
     key = f"still-{uuid.uuid4()}"
     result = e2e.touch.delay(key)
-    wait_for(lambda: row(pg, result.id)["state"] == "completed", 60, interval=0.1,
+    wait_for(lambda: job(pg, result.id)["state"] == "completed", 60, interval=0.1,
              message=f"the follow-up task {key}")
     assert worker.is_alive()
 
@@ -120,7 +109,7 @@ def test_unknown_content_type_goes_dead_with_the_reason(
         worker: WorkerProcess, shared_url: str, shared_pg: psycopg.Connection) -> None:
     task_id = f"ctype-{uuid.uuid4()}"
     publish_raw(shared_url, task_id, b"\x00\x01 not for you", "application/x-made-up")
-    dead = wait_dead(shared_pg, task_id)
+    dead = wait_state(shared_pg, task_id, "dead")
     assert "application/x-made-up" in dead["last_error"], dead["last_error"]
     assert dead["attempts"] == 1  # not retried in a loop
     still_works(shared_pg, worker)
@@ -144,7 +133,7 @@ def test_pickle_is_refused_when_only_json_is_accepted_and_never_unpickled(
     body = pickle.dumps(((_Tripwire(tripwire),), {}, {}))
     publish_raw(shared_url, task_id, body, "application/x-python-serialize")
 
-    dead = wait_dead(shared_pg, task_id)
+    dead = wait_state(shared_pg, task_id, "dead")
     assert "application/x-python-serialize" in dead["last_error"], dead["last_error"]
     assert "ContentDisallowed" in dead["last_error"], dead["last_error"]
     assert not tripwire.exists(), "the worker unpickled a message"
@@ -155,7 +144,7 @@ def test_pickle_is_refused_when_only_json_is_accepted_and_never_unpickled(
 def test_celery_pickle_serializer_is_refused_by_the_worker(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
     result = e2e.touch.apply_async(("pickled",), serializer="pickle")
-    dead = wait_dead(shared_pg, result.id)
+    dead = wait_state(shared_pg, result.id, "dead")
     assert "pickle" in dead["last_error"] or "python-serialize" in dead["last_error"]
     assert not shared_pg.execute("SELECT count(*) FROM public.runs WHERE key = 'pickled'"
                                  ).fetchone()[0]
@@ -165,7 +154,7 @@ def test_celery_pickle_serializer_is_refused_by_the_worker(
 def test_task_name_no_worker_knows_goes_dead(worker: WorkerProcess,
                                              shared_pg: psycopg.Connection) -> None:
     result = e2e.app.send_task("tests.apps.e2e_app.nobody_knows_me", args=("x",))
-    dead = wait_dead(shared_pg, result.id)
+    dead = wait_state(shared_pg, result.id, "dead")
     assert dead["last_error"], dead  # which reason: see the test below
     assert dead["attempts"] == 1
     assert "nobody_knows_me" in worker.log()  # Celery says which name it did not know
@@ -175,17 +164,17 @@ def test_task_name_no_worker_knows_goes_dead(worker: WorkerProcess,
 def test_task_name_no_worker_knows_is_named_in_last_error(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
     result = e2e.app.send_task("tests.apps.e2e_app.also_unknown", args=("x",))
-    wait_dead(shared_pg, result.id)
+    wait_state(shared_pg, result.id, "dead")
     # Celery rejects the message first (dead, "rejected by the consumer") and only then sends
     # task_unknown, whose hook writes the reason: wait for that second write.
-    wait_for(lambda: "also_unknown" in (row(shared_pg, result.id)["last_error"] or ""), 30,
-             interval=0.1, message=lambda: f"the task's name in {row(shared_pg, result.id)}")
+    wait_for(lambda: "also_unknown" in (job(shared_pg, result.id)["last_error"] or ""), 30,
+             interval=0.1, message=lambda: f"the task's name in {job(shared_pg, result.id)}")
 
 
 def test_wrong_argument_types_end_dead_with_the_type_error(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
     result = e2e.add.delay("one", None)  # the right number of arguments, of the wrong types
-    dead = wait_dead(shared_pg, result.id)
+    dead = wait_state(shared_pg, result.id, "dead")
     assert dead["last_error"].startswith("TypeError"), dead["last_error"]
     assert "Traceback" in dead["last_traceback"]
     still_works(shared_pg, worker)

@@ -27,17 +27,12 @@ from pgbroker.ops import os_user
 from tests.apps import e2e_app as e2e
 from tests.support.workers import job
 from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
-from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs
+from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs, job_state
 
 @pytest.fixture
 def queue(pg: psycopg.Connection) -> str:
     pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q1'), ('q2')")
     return "q1"
-
-
-def state_of(pg: psycopg.Connection, job_id: uuid.UUID) -> str | None:
-    row = pg.execute("SELECT state FROM pgbroker.jobs WHERE id = %s", (job_id,)).fetchone()
-    return row[0] if row else None
 
 
 def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
@@ -199,7 +194,7 @@ def test_dead_action_errors_are_exit_2(cli: Run, pg: psycopg.Connection, queue: 
     assert code == 2 and "either a job id or --all" in err
     code, _, err = cli("dead", action, "--all", "--queue", "nope")
     assert code == 2 and "unknown queue 'nope'" in err and "q1" in err
-    assert state_of(pg, pending) == "pending"
+    assert job_state(pg, id=pending) == "pending"
     assert pg.execute("SELECT count(*) FROM pgbroker.audit").fetchone()[0] == 0
 
 
@@ -212,7 +207,7 @@ def test_dead_retry_all_in_batches_with_progress(cli: Run, pg: psycopg.Connectio
     assert err.splitlines()[1:] == ["retried 2 of 5", "retried 4 of 5", "retried 5 of 5"]
     assert pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE queue = 'q1' AND state ="
                       " 'pending' AND attempts = 0").fetchone()[0] == 5
-    assert state_of(pg, other) == "dead"
+    assert job_state(pg, id=other) == "dead"
     assert len(audit_rows(pg, "dead.retry")) == 5
 
 
@@ -220,7 +215,7 @@ def test_dead_discard_one_and_all(cli: Run, pg: psycopg.Connection, queue: str) 
     one = add_job(pg, "dead", last_error="ValueError: boom", task_id="tid-1")
     add_jobs(pg, 3, "dead", queue="q2")
     code, out, _ = cli("dead", "discard", str(one))
-    assert code == 0 and state_of(pg, one) is None
+    assert code == 0 and job_state(pg, id=one) is None
     [(_, target, detail)] = audit_rows(pg, "dead.discard")
     assert (target, detail["last_error"], detail["task_id"]) == (str(one), "ValueError: boom",
                                                                  "tid-1")
@@ -238,10 +233,10 @@ def test_cancel(cli: Run, pg: psycopg.Connection) -> None:
     running = add_job(pg, "running")
     for job_id in (pending, scheduled):
         code, out, _ = cli("cancel", str(job_id))
-        assert (code, state_of(pg, job_id)) == (0, "cancelled")
+        assert (code, job_state(pg, id=job_id)) == (0, "cancelled")
     code, _, err = cli("cancel", str(running))
     assert code == 2 and "is running: only pending or scheduled jobs can be cancelled" in err
-    assert state_of(pg, running) == "running"
+    assert job_state(pg, id=running) == "running"
     for bad, message in (("xyz", "is not a job id"), (str(uuid.uuid4()), "no job with id")):
         code, _, err = cli("cancel", bad)
         assert code == 2 and message in err
@@ -257,7 +252,7 @@ def test_purge_in_batches_keeps_running_and_dead(cli: Run, pg: psycopg.Connectio
     assert (code, out.strip()) == (0, "purged 7 pending or scheduled job(s) of queue q1")
     assert err.splitlines()[-1] == "deleted 7 of 7" and len(err.splitlines()) >= 2
     assert pg.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 3
-    assert all(state_of(pg, k) is not None for k in keep)
+    assert all(job_state(pg, id=k) is not None for k in keep)
     [(_, target, detail)] = audit_rows(pg, "queue.purge")
     assert (target, detail["deleted"], detail["found"]) == ("q1", 7, 7)
     code, _, err = cli("purge", "nope")
@@ -303,7 +298,7 @@ def test_sweep_one_pass_redelivers_an_orphan(cli: Run, pg: psycopg.Connection) -
     orphan = add_job(pg, "running", attempts=1)  # its consumer is not registered: gone
     code, out, _ = cli("sweep")
     assert code == 0 and "rescued 1" in out
-    assert state_of(pg, orphan) == "pending"
+    assert job_state(pg, id=orphan) == "pending"
 
 
 def test_sweep_loop_runs_until_sigterm(db_url: str, pg: psycopg.Connection, tmp_path: Path
@@ -313,7 +308,7 @@ def test_sweep_loop_runs_until_sigterm(db_url: str, pg: psycopg.Connection, tmp_
     with pgbroker_process("--database-url", db_url, "sweep", "--loop", "--interval", "0.2",
                           log=log):
         wait_for(lambda: "rescued 1" in log.read_text(), 60, message="a sweep that rescued")
-        assert state_of(pg, orphan) == "pending"
+        assert job_state(pg, id=orphan) == "pending"
 
 
 def test_serve_on_loopback_without_credentials_makes_a_one_time_token(
