@@ -242,7 +242,7 @@ def test_held_xmin_degrades_throughput_but_the_queue_keeps_moving(
     start_worker(broker_url, *CHAOS_TASKS, "-c", "4")
     phase = 4  # seconds of load before and after the hold
     load = LoadProducer("xmin", int(100 * (2 * phase + hold)), rate=100).start()
-    time.sleep(phase)
+    time.sleep(phase)  # the scenario: load before the hold
     holder = psycopg.connect(db_url)
     try:
         holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
@@ -250,7 +250,7 @@ def test_held_xmin_degrades_throughput_but_the_queue_keeps_moving(
         holder.execute("SELECT count(*) FROM pgbroker.jobs")  # takes the snapshot
         assert runs.execute("SELECT backend_xmin IS NOT NULL FROM pg_stat_activity"
                             " WHERE pid = %s", (holder.info.backend_pid,)).fetchone()[0]
-        time.sleep(hold)
+        time.sleep(hold)  # the scenario: the snapshot held this long
         held_to = db_now(runs)
         dead_during = _dead_tuples(runs)
     finally:

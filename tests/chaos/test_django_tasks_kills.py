@@ -66,13 +66,13 @@ def test_django_tasks_survive_a_worker_sigkilled_every_20_to_45_s(empty_url: str
         while _counts(pg) != (TASKS, TASKS) and time.monotonic() - started < 1800:
             deadline = time.monotonic() + rng.uniform(20, 45)
             while time.monotonic() < deadline and _counts(pg) != (TASKS, TASKS):
-                time.sleep(0.5)
+                time.sleep(0.5)  # the scenario: the next kill 20-45 s on, unless all are done
             if _counts(pg) == (TASKS, TASKS):
                 break
             victim = workers[kills % 2]
             victim.kill(signal.SIGKILL)  # the main process only
             victim.wait(10)
-            time.sleep(0.5)
+            time.sleep(0.5)  # the scenario: the pool children outlive their parent a while
             victim.kill_group(signal.SIGKILL)  # then its orphaned pool children
             workers[kills % 2] = _worker(empty_url)
             kills += 1

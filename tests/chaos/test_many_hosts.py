@@ -116,7 +116,7 @@ def test_a_host_cut_off_its_jobs_rescued_its_late_acks_ignored(
             wait_for(lambda: all(len(key_runs(pg, k)) >= 2 for k in keys), 60, interval=0.1,
                      message="the cut-off host's jobs to run again on another host")
             rescued = time.monotonic() - cut_at
-            time.sleep(max(0.0, cut_at + 8 - time.monotonic()))
+            time.sleep(max(0.0, cut_at + 8 - time.monotonic()))  # the scenario: an 8 s cut
         finally:
             cut_host.heal()
         # the cut-off host's copies finish now; their acks (attempt 1) change nothing

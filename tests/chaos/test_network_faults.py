@@ -269,6 +269,7 @@ def test_partition_detected_jobs_rescued_worker_reconnects(
             # the lease thread's heartbeat is the first query sent into the partition
             noticed = wait_for(lambda: _log_stamps(cut_off, "pgbroker lease"), 60,
                                interval=0.5, message="the cut-off worker to notice")[0]
+            # the scenario: the partition lasts PARTITION seconds
             time.sleep(max(0.0, cut_wall + PARTITION - time.time()))
         finally:
             ns.link("up")

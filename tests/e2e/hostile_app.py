@@ -38,7 +38,7 @@ def record_arg(self, arg: str) -> None:
 @app.task(bind=True)
 def long_nap(self, key: str, seconds: float) -> str:
     record(self, key)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the task's body: a task that runs this long
     record(self, key + ":done")
     return key
 

@@ -174,7 +174,7 @@ def reject_again(self, key: str) -> None:
 def hang(self, key: str) -> None:
     """Runs until its worker is killed."""
     _run("hang", key)
-    time.sleep(120)
+    time.sleep(120)  # the task's body: longer than any test waits
 
 
 _hoard: list[bytearray] = []

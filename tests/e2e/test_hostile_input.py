@@ -204,12 +204,13 @@ def test_spoofed_wake_ups_stay_cheap(producer: Celery, runs: psycopg.Connection,
 
     def reads_during(count: int) -> int:
         with psycopg.connect(db_url, autocommit=True) as conn:
+            # equal windows of time, idle or spoofed, are compared: their length is the point
             time.sleep(2)
             before = _reads_of_jobs(runs)
             for _ in range(count):
                 conn.execute("SELECT pg_notify('pgbroker.jobs', %s)", (payload,))
-                time.sleep(0.002)
-            time.sleep(3)
+                time.sleep(0.002)  # one wake-up every millisecond or two
+            time.sleep(3)  # PostgreSQL's statistics, flushed at most once a second
             return _reads_of_jobs(runs) - before
 
     try:

@@ -348,7 +348,7 @@ async def test_a_cancelled_request_writes_nothing(
             async with pgbroker.atransaction(caller.db):
                 app.tasks["t.add"].delay(1, 1)
                 inside.set()
-                await asyncio.sleep(30)
+                await asyncio.sleep(30)  # a long request: cancelled long before its end
 
         served = asyncio.create_task(request())
         await inside.wait()
