@@ -13,7 +13,9 @@ that started them, whether it passed or not (``_stop_celery_processes`` below).
 
 Each tier has a ``conftest.py`` of its own for its own fixtures (tests/integration, tests/chaos,
 tests/kombu_suite); the fixtures several tiers use are in tests/support/fixtures.py, loaded here
-as a plugin; helpers every tier uses are in the tests/support package.
+as a plugin; helpers every tier uses are in the tests/support package, and the applications
+several tiers run (Celery apps, the Django project) in tests/apps. A tier imports no other tier
+(tests/unit/test_test_tiers.py).
 """
 
 from __future__ import annotations

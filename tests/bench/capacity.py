@@ -35,7 +35,7 @@ import psycopg
 
 from tests.bench import harness
 from tests.bench.benchapp import TASK_NAME, make_app
-from tests.chaos.pgserver_fixture import ThrowawayServer, find_bindir
+from tests.support.throwaway import ThrowawayServer, find_bindir
 
 __all__ = ["capacity_report", "durable_report", "run_capacity", "run_durable"]
 

@@ -1,6 +1,6 @@
 """Throughput of Django tasks per worker process: pgbroker's ``django.tasks`` backend against
 django-tasks-db's (the ORM backend the django-tasks backport points to), side by side, same
-database, same task (``tests.django_project.shop.jobs.noop``), in one run.
+database, same task (``tests.apps.django_project.shop.jobs.noop``), in one run.
 
 ``python -m tests.bench.django_tasks_bench [--tasks N]``: a fresh database, N tasks enqueued
 per backend first, then ONE worker process drains them -- ``celery worker -P solo`` for
@@ -28,7 +28,7 @@ from tests.support.processes import REPO_ROOT
 SETTINGS = "tests.bench.django_tasks_settings"
 ENQUEUE = """
 from django.db import transaction
-from tests.django_project.shop.jobs import noop
+from tests.apps.django_project.shop.jobs import noop
 task = noop.using(backend={backend!r})
 for start in range(0, {n}, 1000):
     with transaction.atomic():
@@ -43,7 +43,7 @@ WINDOWS = {
           " 'SUCCESSFUL') FROM django_tasks_database_dbtaskresult",
 }
 WORKERS = {
-    "default": [sys.executable, "-m", "celery", "-A", "tests.django_project.celery", "worker",
+    "default": [sys.executable, "-m", "celery", "-A", "tests.apps.django_project.celery", "worker",
                 "-P", "solo", "--prefetch-multiplier", "32", "-l", "WARNING"],
     "db": [sys.executable, "-m", "django", "db_worker", "--backend", "db", "--interval", "0.1",
            "--no-startup-delay", "-v", "0"],

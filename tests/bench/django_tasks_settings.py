@@ -4,8 +4,8 @@ project on its database, with two task backends -- pgbroker's (``default``) and 
 
 from __future__ import annotations
 
-from tests.django_project.settings_atomic import *  # noqa: F403 - the test project's settings
-from tests.django_project.settings_atomic import INSTALLED_APPS
+from tests.apps.django_project.settings_atomic import *  # noqa: F403 - the test project's settings
+from tests.apps.django_project.settings_atomic import INSTALLED_APPS
 
 INSTALLED_APPS = [*INSTALLED_APPS, "django_tasks_db"]
 TASKS = {"default": {"BACKEND": "pgbroker.contrib.django.tasks.Backend",

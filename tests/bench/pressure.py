@@ -57,7 +57,7 @@ import psycopg
 from tests.bench import harness
 from tests.bench.benchapp import TASK_NAME, make_app
 from tests.bench.capacity import stats_server
-from tests.chaos.pgserver_fixture import ThrowawayServer, find_bindir
+from tests.support.throwaway import ThrowawayServer, find_bindir
 from tests.support.processes import REPO_ROOT
 
 __all__ = ["SCENARIOS", "LatencyHistogram", "Options", "report", "run", "run_scenario"]

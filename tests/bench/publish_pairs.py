@@ -42,8 +42,8 @@ def child(server: str, mode: str, fast: bool) -> None:
         from pgbroker._model.job import NewJob, row_params
         from pgbroker._pg.catalogue import queries
     except ImportError:  # a tree from before the wings (issue 28)
-        from pgbroker._jobs import NewJob, row_params  # type: ignore[no-redef]
-        from pgbroker._sql import queries  # type: ignore[no-redef]
+        from pgbroker._model.job import NewJob, row_params  # type: ignore[no-redef]
+        from pgbroker._pg.catalogue import queries  # type: ignore[no-redef]
     from tests.bench.benchapp import TASK_NAME, make_app
     from tests.bench.harness import bench_database
 

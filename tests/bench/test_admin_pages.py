@@ -22,8 +22,8 @@ from pgbroker._pg.store import Store
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
 from pgbroker.settings import Settings
-from tests.integration.admin_support import fill_history
-from tests.integration.admin_support import csrf_of
+from tests.support.admin import fill_history
+from tests.support.admin import csrf_of
 
 pytestmark = pytest.mark.bench
 

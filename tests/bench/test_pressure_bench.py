@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench import pressure
-from tests.chaos.pgserver_fixture import require_bindir
+from tests.support.throwaway import require_bindir
 
 pytestmark = pytest.mark.bench
 

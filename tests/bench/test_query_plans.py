@@ -161,3 +161,17 @@ def test_the_claim_reads_none_of_a_paused_tasks_backlog(db_url: str,
     for plan in (_custom_plan(pg, claim), _generic_plan(pg, claim)):
         _assert_uses_claim_index(plan)
         assert all("task_paused" in s["Index Cond"] for s in _candidate_scans(plan))
+
+
+def test_the_claim_stays_an_index_walk_with_a_task_paused(db_url: str,
+                                                          pg: psycopg.Connection) -> None:
+    """The paused-task filter must not turn the claim into a bitmap scan and a sort of the
+    backlog (as a NOT EXISTS per row, or a filter on task's own statistics, did)."""
+    fill(db_url, SAMPLE, "celery", "completed", 200_000)
+    fill(db_url, SAMPLE, "celery", "pending", BACKLOG)
+    pg.execute("INSERT INTO pgbroker.task_pauses (task, paused_by, reason) "
+               "VALUES ('bench.other', 'test', 'test')")
+    pg.execute("ANALYZE pgbroker.jobs")
+    claim = queries("pgbroker")["job_claim"]
+    _assert_uses_claim_index(_custom_plan(pg, claim))
+    _assert_uses_claim_index(_generic_plan(pg, claim))

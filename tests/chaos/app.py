@@ -1,13 +1,13 @@
-"""The Celery app of the chaos scenarios that stop the database: ``tests.e2e.app`` plus a task
+"""The Celery app of the chaos scenarios that stop the database: ``tests.apps.e2e_app`` plus a task
 whose own write survives a restart.
 
-``tests.e2e.app.touch`` records its run with one INSERT; when the server restarts under it that
+``tests.apps.e2e_app.touch`` records its run with one INSERT; when the server restarts under it that
 INSERT fails, the task raises and its job ends ``dead`` -- correctly, but then the scenario
 measures the application's failure, not the broker's. ``sturdy_touch`` retries its own write
 until the server is back (what an application does with ``autoretry_for``), so the counts of
 the scenario are the broker's alone. ``hold`` is ``nap`` for workers under libfaketime;
 ``eta_seen`` records the ``eta`` its request shows (the clock-skew tests). A worker
-gets them with ``celery -A tests.e2e.app worker --include tests.chaos.app``
+gets them with ``celery -A tests.apps.e2e_app worker --include tests.chaos.app``
 (``tests.chaos.load.CHAOS_TASKS``).
 """
 
@@ -18,7 +18,7 @@ import time
 
 import psycopg
 
-from tests.e2e.app import app, record  # the worker finds ``app`` here
+from tests.apps.e2e_app import app, record  # the worker finds ``app`` here
 
 __all__ = ["app", "eta_seen", "hold", "sturdy_touch"]
 
@@ -28,7 +28,7 @@ def sturdy_touch(self, key: str) -> str:
     deadline = time.monotonic() + 120
     while True:
         try:
-            record(self, key)  # tests.e2e.app reconnects when its connection is closed
+            record(self, key)  # tests.apps.e2e_app reconnects when its connection is closed
             return key
         except psycopg.OperationalError:
             if time.monotonic() > deadline:

@@ -1,5 +1,5 @@
 """Fixtures of every chaos test module: a PostgreSQL server of the module's own for the
-scenarios that stop, crash or cut off the server (tests/chaos/pgserver_fixture.py). The
+scenarios that stop, crash or cut off the server (tests/support/throwaway.py). The
 end-to-end producer and ``public.runs`` come from tests/support/fixtures.py, as for every tier.
 """
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.chaos.pgserver_fixture import ThrowawayServer, throwaway_server
+from tests.support.throwaway import ThrowawayServer, throwaway_server
 
 
 @pytest.fixture(scope="module")

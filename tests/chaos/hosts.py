@@ -95,7 +95,7 @@ class Host:
         return ["ip", "netns", "exec", self.netns]
 
     def start_worker(self, broker_url: str, *args: str, options: dict[str, object] | None = None,
-                     app: str = "tests.e2e.app") -> WorkerProcess:
+                     app: str = "tests.apps.e2e_app") -> WorkerProcess:
         """A ``celery worker`` of ``app`` on this host, named ``host<i>-...@%h``."""
         name = f"host{self.index}-{time.monotonic_ns()}"
         env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options or {})}

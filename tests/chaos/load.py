@@ -29,7 +29,7 @@ from tests.support.processes import wait_for
 __all__ = ["CHAOS_TASKS", "PUBLISH_RETRY", "TASK", "LoadProducer", "Tally", "tally",
            "wait_all_completed"]
 
-#: Worker arguments that import tests.chaos.app's tasks into the tests.e2e.app worker:
+#: Worker arguments that import tests.chaos.app's tasks into the tests.apps.e2e_app worker:
 #: ``start_worker(broker_url, *CHAOS_TASKS, ...)``.
 CHAOS_TASKS = ("--include", "tests.chaos.app")
 
@@ -161,8 +161,8 @@ def wait_all_completed(pg: psycopg.Connection, keys: list[str], timeout: float,
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m tests.chaos.load PREFIX COUNT RATE [RETRY_POLICY]``: a :class:`LoadProducer`
-    of the ``tests.e2e.app`` app (its broker from ``PGBROKER_TEST_BROKER_URL``; Celery's publish
-    retry policy as JSON, default :data:`PUBLISH_RETRY`) that writes each
+    of the ``tests.apps.e2e_app`` app (its broker from ``PGBROKER_TEST_BROKER_URL``; Celery's
+    publish retry policy as JSON, default :data:`PUBLISH_RETRY`) that writes each
     ``apply_async`` call as a JSON line, ``{"key", "start", "end", "error"}`` (times as
     time.time(), ``error`` null for a publish that returned), flushed at once: a test reads
     them as they come, and a publish that never returns shows as the line that never came."""

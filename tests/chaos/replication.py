@@ -2,7 +2,7 @@
 
 Built the way an HA deployment is: ``initdb`` for the primary, ``pg_basebackup -R`` (streamed
 WAL, ``standby.signal`` and ``primary_conninfo`` written) for the standby, each a
-:class:`~tests.chaos.pgserver_fixture.ThrowawayServer` on a port of its own. With
+:class:`~tests.support.throwaway.ThrowawayServer` on a port of its own. With
 ``synchronous=True`` the primary runs with ``synchronous_standby_names`` naming the standby, so
 a commit returns only once the standby has flushed it (what Patroni's synchronous mode and the
 cloud services' "zero data loss" failover rely on); otherwise replication is asynchronous and a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 
-from tests.chaos.pgserver_fixture import ThrowawayServer, require_bindir
+from tests.support.throwaway import ThrowawayServer, require_bindir
 
 __all__ = ["Cluster", "cluster"]
 

@@ -1,5 +1,5 @@
 """Migration 0015's settings with autovacuum on, which the shared test server has off: a server of
-this module's own (pgserver_fixture.py), whose autovacuum looks every second.
+this module's own (tests/support/throwaway.py), whose autovacuum looks every second.
 
 A small hot table is vacuumed after 200 dead row versions whatever its size (PostgreSQL's
 default waits for 50 + 20 % of its rows), and the sweeper's fallback leaves to autovacuum what
@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from pgbroker._pg import vacuum as _vacuum
-from tests.chaos.pgserver_fixture import ThrowawayServer, throwaway_server
+from tests.support.throwaway import ThrowawayServer, throwaway_server
 from tests.support.processes import wait_for
 
 

@@ -48,8 +48,8 @@ from tests.chaos.hosts import Host, hosts, needs_iptables
 from tests.chaos.app import sturdy_touch
 from tests.chaos.load import CHAOS_TASKS, PUBLISH_RETRY, wait_all_completed
 from tests.chaos.replication import Cluster, cluster
-from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, wait_state
+from tests.apps import e2e_app as e2e
+from tests.support.workers import SHORT_LEASE, wait_state
 from tests.support import processes as helpers
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import wait_for

@@ -33,8 +33,8 @@ from celery import Celery
 
 from tests.chaos.app import eta_seen, hold
 from tests.chaos.load import CHAOS_TASKS
-from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_state
+from tests.apps import e2e_app as e2e
+from tests.support.workers import SHORT_LEASE, job, key_runs, start_worker, wait_state
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 _LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
@@ -50,7 +50,7 @@ def skewed_worker(broker_url: str, offset: str, *args: str,
     env = {"LD_PRELOAD": _LIBFAKETIME[0], "FAKETIME": offset,
            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_DONT_RESET": "1",
            "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options or {})}
-    return run_worker("tests.e2e.app", broker_url, *CHAOS_TASKS, *args, env=env).wait_ready(60)
+    return run_worker("tests.apps.e2e_app", broker_url, *CHAOS_TASKS, *args, env=env).wait_ready(60)
 
 
 def _worker_clock_offset(worker: WorkerProcess) -> float:

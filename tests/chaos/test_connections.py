@@ -15,8 +15,8 @@ import threading
 import psycopg
 
 import pgbroker
-from tests.e2e import app as e2e
-from tests.e2e.support import start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import start_worker
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import wait_for
 

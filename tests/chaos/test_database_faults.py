@@ -1,10 +1,10 @@
 """Chaos on the database side: PostgreSQL restarted or crashed mid-load, every backend of a
 worker terminated, a transaction holding back the xmin horizon, a publish that times out.
 
-Real ``celery worker``/``celery beat`` processes of ``tests.e2e.app``; the counts (tasks sent,
+Real ``celery worker``/``celery beat`` processes of ``tests.apps.e2e_app``; the counts (tasks sent,
 completed, duplicated, lost) come from SQL and are printed (``pytest -s``); recovery times are
 printed, never asserted. The scenarios that stop the server run on a server of their own
-(:mod:`tests.chaos.pgserver_fixture`); the others use the test database of the shared one.
+(:mod:`tests.support.throwaway`); the others use the test database of the shared one.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import pytest
 from celery import Celery
 
 from tests.chaos.load import CHAOS_TASKS, LoadProducer, tally, wait_all_completed
-from tests.chaos.pgserver_fixture import ThrowawayServer
-from tests.e2e import app as e2e
-from tests.e2e.beat_app import TICK
-from tests.e2e.support import key_runs, start_worker, wait_state
+from tests.support.throwaway import ThrowawayServer
+from tests.apps import e2e_app as e2e
+from tests.apps.beat_app import TICK
+from tests.support.workers import key_runs, start_worker, wait_state
 from tests.support.producers import drop_pools, point_producer
 from tests.support.db import db_now
 from tests.support.processes import run_beat, wait_for
@@ -66,7 +66,7 @@ def test_postgres_restart_mid_load_loses_nothing(own_server: ThrowawayServer, ow
     session cut) while a producer publishes and a worker and a beat run: all of them reconnect
     by themselves, every task completes, and beat keeps firing each occurrence once."""
     worker = start_worker(own_broker, *CHAOS_TASKS, "-c", "4")
-    beat = run_beat("tests.e2e.beat_app", own_broker, env={
+    beat = run_beat("tests.apps.beat_app", own_broker, env={
         "PGBROKER_TEST_BEAT_OPTIONS": json.dumps({"overlap": "allow", "queue": "beat"})})
     load = LoadProducer(f"restart-{mode}", 400, rate=50).start()
     with psycopg.connect(own_db, autocommit=True) as pg:
@@ -159,7 +159,7 @@ def test_terminated_backends_worker_reconnects_and_listens_again(
     woken = (key_runs(runs, "after")[0]["at"] - row["created_at"]).total_seconds()
     for key in naps:
         wait_state(runs, key, "completed")
-    result = tally(runs, naps, task="tests.e2e.app.nap")
+    result = tally(runs, naps, task="tests.apps.e2e_app.nap")
     assert result.lost == 0 and result.completed == 2
     assert worker.is_alive()
     assert "Connection to broker lost" in worker.log()  # noticed, not silently stuck
@@ -189,16 +189,16 @@ def test_publish_timeout_raises_a_clear_error_and_writes_nothing(
         started = time.monotonic()
         with pytest.raises(kombu.exceptions.OperationalError,
                            match=setting.replace("_", " ")) as info:
-            app.send_task("tests.e2e.app.touch", ("timed-out",), task_id="timed-out")
+            app.send_task("tests.apps.e2e_app.touch", ("timed-out",), task_id="timed-out")
         failed_after = time.monotonic() - started
         with pytest.raises(kombu.exceptions.OperationalError, match=setting.replace("_", " ")):
-            app.send_task("tests.e2e.app.touch", ("no-retry",), task_id="no-retry",
+            app.send_task("tests.apps.e2e_app.touch", ("no-retry",), task_id="no-retry",
                           retry=False)
         holder.rollback()
         assert pg.execute("SELECT count(*) FROM pgbroker.jobs").fetchone() == (0,)
         assert list(listener.notifies(timeout=0.5)) == []  # no wake-up for a row that isn't
 
-        app.send_task("tests.e2e.app.touch", ("after",), task_id="after")
+        app.send_task("tests.apps.e2e_app.touch", ("after",), task_id="after")
         assert [r[0] for r in pg.execute("SELECT task_id FROM pgbroker.jobs")] == ["after"]
         [note] = listener.notifies(timeout=2, stop_after=1)
         assert note.payload.endswith(" celery")  # "<seconds until due> <queue>"
@@ -242,7 +242,7 @@ def test_held_xmin_degrades_throughput_but_the_queue_keeps_moving(
     start_worker(broker_url, *CHAOS_TASKS, "-c", "4")
     phase = 4  # seconds of load before and after the hold
     load = LoadProducer("xmin", int(100 * (2 * phase + hold)), rate=100).start()
-    time.sleep(phase)
+    time.sleep(phase)  # the scenario: load before the hold
     holder = psycopg.connect(db_url)
     try:
         holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
@@ -250,7 +250,7 @@ def test_held_xmin_degrades_throughput_but_the_queue_keeps_moving(
         holder.execute("SELECT count(*) FROM pgbroker.jobs")  # takes the snapshot
         assert runs.execute("SELECT backend_xmin IS NOT NULL FROM pg_stat_activity"
                             " WHERE pid = %s", (holder.info.backend_pid,)).fetchone()[0]
-        time.sleep(hold)
+        time.sleep(hold)  # the scenario: the snapshot held this long
         held_to = db_now(runs)
         dead_during = _dead_tuples(runs)
     finally:

@@ -3,8 +3,8 @@
 and a task runs twice only if it was in a killed worker's hands (its job was redelivered).
 
 ``PGBROKER_SOAK_TASKS`` tasks (default 3,000; each sleeps 50 ms and writes a row) go through
-two workers (``-c 4``) of the test project (``tests/django_project``, ``settings_atomic``) while,
-every 20-45 s, one worker's main process is SIGKILLed, then its orphaned pool children (as a
+two workers (``-c 4``) of the test project (``tests/apps/django_project``, ``settings_atomic``)
+while, every 20-45 s, one worker's main process is SIGKILLed, then its orphaned pool children (as a
 supervisor would), and a new one started. Counts are printed (``pytest -s``); minutes long,
 hence ``slow``: ``pytest -m slow -s tests/chaos/test_django_tasks_kills.py``. The figures of a
 run are in docs/django.md.
@@ -25,10 +25,10 @@ import pytest
 from tests.support.processes import REPO_ROOT, WorkerProcess, run_worker
 
 TASKS = int(os.environ.get("PGBROKER_SOAK_TASKS", "3000"))
-SETTINGS = "tests.django_project.settings_atomic"
+SETTINGS = "tests.apps.django_project.settings_atomic"
 ENQUEUE = f"""
 from django.db import transaction
-from tests.django_project.shop.jobs import record
+from tests.apps.django_project.shop.jobs import record
 for start in range(0, {TASKS}, 500):
     with transaction.atomic():
         for n in range(start, min(start + 500, {TASKS})):
@@ -37,7 +37,7 @@ for start in range(0, {TASKS}, 500):
 
 
 def _worker(url: str) -> WorkerProcess:
-    return run_worker("tests.django_project.celery", "pgbroker+" + url, "-c", "4",
+    return run_worker("tests.apps.django_project.celery", "pgbroker+" + url, "-c", "4",
                       env={"DJANGO_SETTINGS_MODULE": SETTINGS})
 
 
@@ -66,13 +66,13 @@ def test_django_tasks_survive_a_worker_sigkilled_every_20_to_45_s(empty_url: str
         while _counts(pg) != (TASKS, TASKS) and time.monotonic() - started < 1800:
             deadline = time.monotonic() + rng.uniform(20, 45)
             while time.monotonic() < deadline and _counts(pg) != (TASKS, TASKS):
-                time.sleep(0.5)
+                time.sleep(0.5)  # the scenario: the next kill 20-45 s on, unless all are done
             if _counts(pg) == (TASKS, TASKS):
                 break
             victim = workers[kills % 2]
             victim.kill(signal.SIGKILL)  # the main process only
             victim.wait(10)
-            time.sleep(0.5)
+            time.sleep(0.5)  # the scenario: the pool children outlive their parent a while
             victim.kill_group(signal.SIGKILL)  # then its orphaned pool children
             workers[kills % 2] = _worker(empty_url)
             kills += 1

@@ -31,9 +31,9 @@ from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
 from tests.chaos.load import CHAOS_TASKS, LoadProducer, tally, wait_all_completed
 from tests.chaos.replication import Cluster, cluster
-from tests.e2e import app as e2e
-from tests.e2e.beat_app import TICK
-from tests.e2e.support import SHORT_LEASE, start_worker
+from tests.apps import e2e_app as e2e
+from tests.apps.beat_app import TICK
+from tests.support.workers import SHORT_LEASE, start_worker
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import run_beat, wait_for
 
@@ -148,7 +148,7 @@ def _occurrences(url: str) -> list[str]:
 def test_beat_result_backend_and_admin_reconnect_after_failover(
         replicated: tuple[Cluster, str, str]) -> None:
     made, url, broker = replicated
-    beat = run_beat("tests.e2e.beat_app", broker, env={
+    beat = run_beat("tests.apps.beat_app", broker, env={
         "PGBROKER_TEST_BEAT_OPTIONS": json.dumps({"overlap": "allow", "queue": "beat"})})
     results = Celery("failover-results", broker=broker, backend=broker, set_as_current=False)
     token = "failover-token-0123"

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from tests.chaos.load import CHAOS_TASKS, LoadProducer, wait_all_completed
-from tests.e2e.support import start_worker
+from tests.support.workers import start_worker
 from tests.support.processes import WorkerProcess
 
 TASKS = 5000
@@ -46,12 +46,12 @@ def test_load_with_a_worker_sigkilled_every_few_seconds(
     rng = random.Random(8)
     while (len(load.sent) < TASKS or _completed(runs) < 0.95 * TASKS) \
             and time.monotonic() - started < 600:
-        time.sleep(rng.uniform(2, 4))
+        time.sleep(rng.uniform(2, 4))  # the scenario: a kill every 2-4 s
         victim = workers[kills % 2]
         killed_pids |= {victim.pid, *victim.child_pids()}
         victim.kill(signal.SIGKILL)  # the main process only
         victim.wait(10)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the scenario: the pool children outlive their parent a while
         victim.kill_group(signal.SIGKILL)  # then its orphaned pool children, as systemd would
         workers[kills % 2] = start_worker(broker_url, *CHAOS_TASKS, "-c", str(CONCURRENCY),
                                                 options=OPTIONS, ready=False)

@@ -17,15 +17,15 @@ import pytest
 
 from tests.chaos.hosts import Host, hosts, needs_hosts
 from tests.chaos.load import tally
-from tests.chaos.pgserver_fixture import ThrowawayServer, require_bindir
-from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, key_runs, owner_of
+from tests.support.throwaway import ThrowawayServer, require_bindir
+from tests.apps import e2e_app as e2e
+from tests.support.workers import SHORT_LEASE, key_runs, owner_of
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import WorkerProcess, wait_for
 
 pytestmark = needs_hosts
 
-NAP = "tests.e2e.app.nap"
+NAP = "tests.apps.e2e_app.nap"
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +82,10 @@ def test_three_hosts_share_a_drain_each_task_once(site: tuple[ThrowawayServer, l
     for key in keys:
         e2e.touch.apply_async((key,), task_id=key)
     with psycopg.connect(db, autocommit=True) as pg:
-        wait_for(lambda: tally(pg, keys, task="tests.e2e.app.touch").completed == len(keys), 120,
-                 interval=0.2, message="every task completed")
+        wait_for(lambda: tally(pg, keys, task="tests.apps.e2e_app.touch").completed == len(keys),
+                 120, interval=0.2, message="every task completed")
         elapsed = time.monotonic() - started
-        result = tally(pg, keys, task="tests.e2e.app.touch")
+        result = tally(pg, keys, task="tests.apps.e2e_app.touch")
         pids = [r[0] for r in pg.execute("SELECT pid FROM public.runs WHERE key = ANY(%s)",
                                          (keys,))]
     per_host = [sum(1 for pid in pids if owner_of(pid, *workers) is w) for w in workers]
@@ -116,7 +116,7 @@ def test_a_host_cut_off_its_jobs_rescued_its_late_acks_ignored(
             wait_for(lambda: all(len(key_runs(pg, k)) >= 2 for k in keys), 60, interval=0.1,
                      message="the cut-off host's jobs to run again on another host")
             rescued = time.monotonic() - cut_at
-            time.sleep(max(0.0, cut_at + 8 - time.monotonic()))
+            time.sleep(max(0.0, cut_at + 8 - time.monotonic()))  # the scenario: an 8 s cut
         finally:
             cut_host.heal()
         # the cut-off host's copies finish now; their acks (attempt 1) change nothing

@@ -40,16 +40,16 @@ from celery import Celery
 from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from tests.chaos.load import tally
-from tests.chaos.pgserver_fixture import ThrowawayServer
+from tests.support.throwaway import ThrowawayServer
 from tests.chaos.tcp_proxy import TcpProxy
-from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, key_runs, start_worker, wait_state
+from tests.apps import e2e_app as e2e
+from tests.support.workers import SHORT_LEASE, key_runs, start_worker, wait_state
 from tests.support.producers import drop_pools, point_producer
 from tests.support import processes as helpers
 from tests.support.db import db_now
 from tests.support.processes import REPO_ROOT, WorkerProcess, wait_for
 
-NAP = "tests.e2e.app.nap"
+NAP = "tests.apps.e2e_app.nap"
 
 #: Seconds a partition lasts at least: several lease timeouts and worker-heartbeat events, so
 #: every connection of the worker that is used meanwhile breaks.
@@ -213,11 +213,11 @@ class NamespacedProxy:
 
     def start_worker(self, broker_url: str, *args: str,
                      options: dict[str, object] | None = None) -> WorkerProcess:
-        """A ``celery worker`` of tests.e2e.app inside the namespace (so its only way to the
+        """A ``celery worker`` of tests.apps.e2e_app inside the namespace (so its only way to the
         database is the proxy)."""
         name = f"ns{os.getpid()}-{time.monotonic_ns()}"
         env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options or {})}
-        argv = self.enter() + [sys.executable, "-m", "celery", "-A", "tests.e2e.app", "worker",
+        argv = self.enter() + [sys.executable, "-m", "celery", "-A", "tests.apps.e2e_app", "worker",
                                "-P", "prefork", "--loglevel=INFO", "-n", f"{name}@%h", *args]
         # tests.support.processes builds the environment and log path of every worker; reused as is
         return WorkerProcess(argv, helpers._env(broker_url, env),
@@ -269,6 +269,7 @@ def test_partition_detected_jobs_rescued_worker_reconnects(
             # the lease thread's heartbeat is the first query sent into the partition
             noticed = wait_for(lambda: _log_stamps(cut_off, "pgbroker lease"), 60,
                                interval=0.5, message="the cut-off worker to notice")[0]
+            # the scenario: the partition lasts PARTITION seconds
             time.sleep(max(0.0, cut_wall + PARTITION - time.time()))
         finally:
             ns.link("up")

@@ -19,8 +19,8 @@ import pytest
 
 import pgbroker
 from tests.chaos.pgbouncer_fixture import PgBouncer, pgbouncer
-from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, key_runs, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import SHORT_LEASE, key_runs, start_worker
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import wait_for
 

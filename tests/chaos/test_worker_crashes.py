@@ -1,6 +1,6 @@
 """Chaos: real ``celery worker`` processes killed, frozen and stopped while they hold jobs.
 
-Every task of ``tests.e2e.app`` records its runs in ``public.runs``; ``nap`` records ``<key>``
+Every task of ``tests.apps.e2e_app`` records its runs in ``public.runs``; ``nap`` records ``<key>``
 when it starts and ``<key>:done`` when it finishes, so a lost task (no ``:done``) and a duplicate
 (two starts) are both visible in SQL. Recovery times are printed (``pytest -s``), not asserted;
 the only time bound checked is the one that tells which rescue mechanism fired, on the database
@@ -18,8 +18,8 @@ import psycopg
 from celery import Celery
 
 from pgbroker.settings import Settings
-from tests.e2e import app as e2e
-from tests.e2e.support import (
+from tests.apps import e2e_app as e2e
+from tests.support.workers import (
     SHORT_LEASE,
     job,
     jobs_by_state,
@@ -217,7 +217,7 @@ def test_frozen_worker_past_lease_late_ack_changes_nothing(
         stale.kill_group(signal.SIGCONT)
 
     # The stale worker wakes up, finishes its copy and acks the old delivery (attempt 1).
-    stale.wait_for_log(f"Task tests.e2e.app.nap[{result.id}] succeeded", 30)
+    stale.wait_for_log(f"Task tests.apps.e2e_app.nap[{result.id}] succeeded", 30)
     after = e2e.touch.delay("after-thaw")  # the stale worker is the only one left
     wait_state(runs, after.id, "completed")
     assert key_runs(runs, "after-thaw")[0]["pid"] in stale.child_pids()

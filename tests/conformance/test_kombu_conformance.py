@@ -19,7 +19,7 @@ import pytest
 from kombu.exceptions import ChannelError
 
 from tests.support.processes import wait_for
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     OPTIONS,
     Collector,

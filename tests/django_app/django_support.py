@@ -11,7 +11,7 @@ from tests.support.processes import REPO_ROOT
 __all__ = ["manage"]
 
 
-def manage(db_url: str, *args: str, settings: str = "tests.django_project.settings",
+def manage(db_url: str, *args: str, settings: str = "tests.apps.django_project.settings",
            env: dict[str, str] | None = None,
            timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """``python -m django ARGS`` (``manage.py ARGS``) for the test project on ``db_url``;

@@ -1,4 +1,4 @@
-"""pgbroker's Django app in a project (``tests/django_project``), through ``manage.py`` as a
+"""pgbroker's Django app in a project (``tests/apps/django_project``), through ``manage.py`` as a
 user runs it: ``migrate`` makes the schema (``--fake`` does not, and ``check`` says so),
 ``manage.py pgbroker ...`` reads the project's broker, unapplying leaves the queue alone."""
 

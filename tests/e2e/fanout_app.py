@@ -1,4 +1,4 @@
-"""``tests.e2e.app`` for the fanout tests: a worker consumes the queue named by
+"""``tests.apps.e2e_app`` for the fanout tests: a worker consumes the queue named by
 ``PGBROKER_TEST_FANOUT_QUEUE``, bound to the fanout exchange ``fan_x`` (durable, as kombu
 declares a queue by default), and a Celery ``Broadcast`` queue of its own (auto-delete) bound to
 the fanout exchange ``bcast_x``."""
@@ -10,7 +10,7 @@ import os
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
 
-from tests.e2e.app import app
+from tests.apps.e2e_app import app
 
 __all__ = ["FANOUT", "app"]
 

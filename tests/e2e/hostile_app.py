@@ -1,16 +1,17 @@
-"""Tasks for tests/e2e/test_hostile_input.py: the e2e app (``tests.e2e.app``) plus tasks that
+"""Tasks for tests/e2e/test_hostile_input.py: the e2e app (``tests.apps.e2e_app``) plus tasks that
 fail with text PostgreSQL cannot store as it is, or that take a long time.
 
 Run as ``celery -A tests.e2e.hostile_app worker``; every task records its runs in
-``public.runs`` like those of tests.e2e.app.
+``public.runs`` like those of tests.apps.e2e_app.
 """
 
 from __future__ import annotations
 
 import time
 
-from tests.e2e.app import app, record  # noqa: F401 - app: what `celery -A` looks for
-from tests.e2e.app import *  # noqa: F401,F403 - the e2e app's tasks, registered on the same app
+from tests.apps.e2e_app import app, record  # noqa: F401 - app: what `celery -A` looks for
+# the e2e app's tasks, registered on the same app
+from tests.apps.e2e_app import *  # noqa: F401,F403
 
 
 #: Exception texts PostgreSQL cannot store as they are: a NUL, and a lone surrogate (what
@@ -37,7 +38,7 @@ def record_arg(self, arg: str) -> None:
 @app.task(bind=True)
 def long_nap(self, key: str, seconds: float) -> str:
     record(self, key)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the task's body: a task that runs this long
     record(self, key + ":done")
     return key
 
@@ -50,7 +51,7 @@ def count_me(state, key: str) -> dict:
     """Records each time it runs: a broadcast replayed by a spoofed NOTIFY would run it again."""
     import os
 
-    from tests.e2e.app import _db
+    from tests.apps.e2e_app import _db
 
     _db().execute("INSERT INTO public.runs (task, key, pid) VALUES ('count_me', %s, %s)",
                   (key, os.getpid()))

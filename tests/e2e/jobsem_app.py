@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 import pgbroker
 from pgbroker._celery.complete import current_delivery
 from pgbroker._pg.local_server import normalize_url
-from tests.e2e.app import RUNS_DDL
-from tests.e2e.app import _db  # an autocommit connection of this process, outside any task's
+from tests.apps.e2e_app import RUNS_DDL
+from tests.apps.e2e_app import _db  # an autocommit connection of this process, outside any task's
 
 BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127.0.0.1/postgres")
 DB_URL = normalize_url(BROKER_URL)
@@ -174,7 +174,7 @@ def reject_again(self, key: str) -> None:
 def hang(self, key: str) -> None:
     """Runs until its worker is killed."""
     _run("hang", key)
-    time.sleep(120)
+    time.sleep(120)  # the task's body: longer than any test waits
 
 
 _hoard: list[bytearray] = []

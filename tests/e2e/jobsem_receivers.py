@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from pgbroker import signals
-from tests.e2e.app import _db
+from tests.apps.e2e_app import _db
 
 
 @signals.job_dead.connect

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from tests.e2e import jobsem_app
-from tests.e2e.support import SHORT_LEASE, start_worker
+from tests.support.workers import SHORT_LEASE, start_worker
 from tests.support.processes import WorkerProcess
 from tests.support.producers import drop_pools, point_producer
 

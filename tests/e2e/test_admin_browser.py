@@ -24,10 +24,10 @@ import psycopg
 import pytest
 
 from pgbroker.beat import Schedules
-from tests.e2e import app as e2e
-from tests.e2e.support import job, key_runs, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import job, key_runs, start_worker
 from tests.support.processes import REPO_ROOT, pgbroker_process, run_beat, wait_for
-from tests.integration.admin_support import fill_depth, fill_history
+from tests.support.admin import fill_depth, fill_history
 from tests.support.db import LOST, add_job
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -104,8 +104,9 @@ def test_operator_session_in_a_browser(producer, runs: psycopg.Connection, admin
                                        browser, broker_url: str) -> None:
     expect = sync_api.expect
     fill_history(runs, 6000, 3600, queues=("celery", "mail"),
-                 tasks=("tests.e2e.app.touch", "tests.e2e.app.add", "tests.e2e.app.nap"))
-    fill_depth(runs, 60, "celery", "tests.e2e.app.touch")
+                 tasks=("tests.apps.e2e_app.touch", "tests.apps.e2e_app.add",
+                        "tests.apps.e2e_app.nap"))
+    fill_depth(runs, 60, "celery", "tests.apps.e2e_app.touch")
     # A real failure (a task that raises) and a job whose first attempt failed, before any worker.
     failed = e2e.boom.apply_async(args=["browser-boom"])
     second = e2e.touch.apply_async(args=["browser-retry"])
@@ -121,8 +122,8 @@ def test_operator_session_in_a_browser(producer, runs: psycopg.Connection, admin
                         content_type="application/json")
     flaky = e2e.flaky.apply_async(args=["browser-flaky", 2])  # fails twice, then succeeds
     Schedules(runs, actor="test", via="test").add(
-        "hourly-touch", "tests.e2e.app.touch", 3600.0, args=["beat-run-now"])
-    beat = run_beat("tests.e2e.beat_app", broker_url,
+        "hourly-touch", "tests.apps.e2e_app.touch", 3600.0, args=["beat-run-now"])
+    beat = run_beat("tests.apps.beat_app", broker_url,
                     env={"PGBROKER_TEST_BEAT_OPTIONS": '{"queue": "beat", "overlap": "allow"}'})
     worker = start_worker(broker_url)
     wait_for(lambda: job(runs, failed.id)["state"] == "dead", 60, message="boom to go dead")
@@ -177,7 +178,7 @@ def test_operator_session_in_a_browser(producer, runs: psycopg.Connection, admin
     wait_for(lambda: job(runs, napping.id)["state"] == "running", 30, message="nap to run")
     page.click("header >> text=Workers")
     nap_row = page.locator(f'tr[data-job="{job(runs, napping.id)["id"]}"]')
-    expect(nap_row).to_contain_text("tests.e2e.app.nap")
+    expect(nap_row).to_contain_text("tests.apps.e2e_app.nap")
     expect(nap_row).to_contain_text("browser-nap")
     expect(page.locator("section.worker-alive .health")).to_contain_text("alive")
     shot(page, "admin-workers.png")

@@ -1,6 +1,6 @@
 """End to end: jobs written from asyncio code -- ``await pgbroker.aenqueue``,
 ``await pgbroker.aenqueue_many`` and ``.delay()`` inside ``async with pgbroker.atransaction`` --
-in the caller's transaction, run by a real ``celery worker`` of ``tests.e2e.app``.
+in the caller's transaction, run by a real ``celery worker`` of ``tests.apps.e2e_app``.
 
 As in test_enqueue_worker.py the worker polls only every 60 s, so a job that runs within the 30 s
 wait was woken by the NOTIFY its commit delivered.
@@ -14,10 +14,10 @@ import psycopg
 from celery import Celery
 
 import pgbroker
-from tests.e2e import app as e2e
-from tests.e2e.support import key_runs, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import key_runs, start_worker
 from tests.support.processes import wait_for
-from tests.integration.enqueue_support import ASYNC_KINDS, opened
+from tests.support.enqueue import ASYNC_KINDS, opened
 
 NO_POLLING = {"poll_interval": 60}
 

@@ -1,4 +1,4 @@
-"""Real ``celery beat`` processes with pgbroker's scheduler (``tests/e2e/beat_app.py``).
+"""Real ``celery beat`` processes with pgbroker's scheduler (``tests/apps/beat_app.py``).
 
 Several beats at once fire each occurrence of a 1-second entry exactly once, with none missed,
 and keep doing so when one of them is killed with SIGKILL; a worker's task reads the occurrence
@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from pgbroker.beat import Schedules
-from tests.e2e.beat_app import TICK
+from tests.apps.beat_app import TICK
 from tests.support.db import db_now
 from tests.support.processes import BeatProcess, run_beat, run_worker, wait_for
 
@@ -44,9 +44,9 @@ def sent(beat: BeatProcess) -> int:
 
 
 def test_three_beats_fire_each_occurrence_once(broker_url: str, pg: psycopg.Connection) -> None:
-    beats = [run_beat("tests.e2e.beat_app", broker_url, "-S", "pgbroker"),  # the entry point
-             run_beat("tests.e2e.beat_app", broker_url),  # beat_scheduler from the config
-             run_beat("tests.e2e.beat_app", broker_url)]
+    beats = [run_beat("tests.apps.beat_app", broker_url, "-S", "pgbroker"),  # the entry point
+             run_beat("tests.apps.beat_app", broker_url),  # beat_scheduler from the config
+             run_beat("tests.apps.beat_app", broker_url)]
     wait_for(lambda: occurrences(pg), 60, interval=0.2, message="the first occurrence")
     time.sleep(15)  # the run under test (nothing is asserted about its speed)
     for beat in beats:
@@ -64,7 +64,7 @@ def test_three_beats_fire_each_occurrence_once(broker_url: str, pg: psycopg.Conn
 
 
 def test_beats_carry_on_when_one_is_killed(broker_url: str, pg: psycopg.Connection) -> None:
-    beats = [run_beat("tests.e2e.beat_app", broker_url) for _ in range(3)]
+    beats = [run_beat("tests.apps.beat_app", broker_url) for _ in range(3)]
     wait_for(lambda: len(set(occurrences(pg))) >= 4, 60, interval=0.2,
              message="4 occurrences before the kill")
     victim = max(beats, key=sent)  # the one that has been winning the races
@@ -93,8 +93,8 @@ def test_a_task_reads_its_occurrence_and_run_time_switches_are_followed(
         broker_url: str, pg: psycopg.Connection) -> None:
     # -S: the entry point, as in test_three_beats_fire_each_occurrence_once (.ci/matrix's older
     # Celery versions run this test, not that one)
-    beat = run_beat("tests.e2e.beat_app", broker_url, "-S", "pgbroker")
-    worker = run_worker("tests.e2e.beat_app", broker_url, "-c", "1").wait_ready(60)
+    beat = run_beat("tests.apps.beat_app", broker_url, "-S", "pgbroker")
+    worker = run_worker("tests.apps.beat_app", broker_url, "-c", "1").wait_ready(60)
 
     def tick_runs() -> list[str]:
         return [r[0] for r in pg.execute("SELECT key FROM public.runs WHERE task = 'tick'")]
@@ -134,7 +134,7 @@ def test_beat_stopped_while_it_applies_its_config_exits(broker_url: str, db_url:
                "next_occurrence) VALUES ('gone', 'gone', '{\"every\": 60}', 'config', now())")
     with psycopg.connect(db_url) as holder, holder.transaction():
         holder.execute("SELECT 1 FROM pgbroker.beat_schedule WHERE name = 'gone' FOR UPDATE")
-        beat = run_beat("tests.e2e.beat_app", broker_url)
+        beat = run_beat("tests.apps.beat_app", broker_url)
         wait_for(lambda: pg.execute(
             "SELECT 1 FROM pg_stat_activity WHERE application_name = 'pgbroker beat' "
             "AND wait_event_type = 'Lock' AND datname = current_database()").fetchone(), 60,

@@ -1,5 +1,5 @@
 """End to end: jobs written by ``pgbroker.enqueue`` in the caller's transaction, run by a real
-``celery worker`` of ``tests.e2e.app``.
+``celery worker`` of ``tests.apps.e2e_app``.
 
 The worker polls only every 60 s here, so a job that runs within the 30 s wait was woken by the
 NOTIFY its commit delivered, not found by polling. Latencies are printed (``pytest -s``), not
@@ -15,10 +15,10 @@ import psycopg
 from celery import Celery
 
 import pgbroker
-from tests.e2e import app as e2e
-from tests.e2e.support import key_runs, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import key_runs, start_worker
 from tests.support.processes import wait_for
-from tests.integration.enqueue_support import KINDS, Caller
+from tests.support.enqueue import KINDS, Caller
 
 NO_POLLING = {"poll_interval": 60}
 
@@ -81,7 +81,7 @@ def test_the_worker_runs_the_message_as_celery_sent_it(
     assert added["retries"] == 0
     task_id = runs.execute("SELECT task_id FROM pgbroker.jobs WHERE id = %s",
                            (add_job,)).fetchone()[0]
-    worker.wait_for_log(f"Task tests.e2e.app.add[{task_id}] succeeded", timeout=30)
+    worker.wait_for_log(f"Task tests.apps.e2e_app.add[{task_id}] succeeded", timeout=30)
     assert at_eta["at"] >= eta
 
     assert [r["retries"] for r in key_runs(runs, "flaky")] == [0, 1]

@@ -23,11 +23,11 @@ from celery import Celery
 from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
-from tests.e2e import app as e2e
-from tests.e2e.control_support import node, start_celery, start_workers
-from tests.e2e.support import key_runs
+from tests.apps import e2e_app as e2e
+from tests.support.control import node, start_celery, start_workers
+from tests.support.workers import key_runs
 from tests.support.processes import wait_for
-from tests.integration.transport_support import free_port
+from tests.support.db import free_port
 
 TASK_EVENTS = ("task-received", "task-started", "task-succeeded")
 
@@ -77,7 +77,7 @@ def test_task_events_reach_every_monitor_and_never_enter_jobs(
                      f"(got {task_events(seen, r.id)})")
     last = results[-1].id
     for kind in ("received", "started", "succeeded"):
-        dump.wait_for_log(f"task {kind}: tests.e2e.app.touch({last})", timeout=30)
+        dump.wait_for_log(f"task {kind}: tests.apps.e2e_app.touch({last})", timeout=30)
 
     # 20 tasks are 20 jobs; their 60 events (the worker sends task events in batches) and the
     # heartbeats went to the monitors as broadcasts, none of them as jobs
@@ -141,7 +141,7 @@ def test_flower_lists_the_worker_and_its_tasks(producer: Celery, runs: psycopg.C
 
     workers = wait_for(listed, 60, interval=0.5, message=f"{name} in Flower's /api/workers")
     assert workers[name]["stats"]["broker"]["transport"] == "pgbroker"
-    assert "tests.e2e.app.touch" in workers[name]["registered"]
+    assert "tests.apps.e2e_app.touch" in workers[name]["registered"]
 
     # the task list comes from events: Flower sends enable_events to the workers every 5 s
     worker.wait_for_log("Events of group {task} enabled by remote.", timeout=60)

@@ -20,12 +20,13 @@ from celery import Celery
 
 from tests.e2e import jobsem_app as app_module
 from tests.e2e.jobsem_support import producer, worker  # noqa: F401 - fixture
-from tests.e2e.support import SHORT_LEASE
+from tests.support.db import job_fields, job_state
+from tests.support.workers import SHORT_LEASE
 from tests.support.processes import WorkerProcess, wait_for
 
-
-
 OPTIONS = SHORT_LEASE
+#: What a job row says of its outcome: (state, attempts, completed_attempt).
+OUTCOME = ("state", "attempts", "completed_attempt")
 
 
 def _worker(broker_url: str) -> WorkerProcess:
@@ -40,11 +41,6 @@ def _phase_reached(pg: psycopg.Connection, key: str, phase: str) -> bool:
 def _rows(pg: psycopg.Connection, key: str) -> list[int]:
     return [r[0] for r in pg.execute(
         "SELECT attempt FROM public.exact_rows WHERE key = %s ORDER BY n", (key,))]
-
-
-def _job(pg: psycopg.Connection, key: str) -> tuple[str, int, int | None]:
-    return pg.execute("SELECT state, attempts, completed_attempt FROM pgbroker.jobs "
-                      "WHERE task_id = %s", (key,)).fetchone()
 
 
 def _committing(pg: psycopg.Connection) -> bool:
@@ -67,7 +63,7 @@ def test_killed_worker_runs_the_task_exactly_once(producer: Celery, broker_url: 
     if stop == "before":
         wait_for(lambda: _phase_reached(pg, key, "completed-in-tx"), 60)
         # the completion is in the open transaction: nobody else sees it yet
-        assert _job(pg, key)[0] == "running"
+        assert job_state(pg, key) == "running"
     elif stop == "during":
         wait_for(lambda: _phase_reached(pg, key, "committing"), 60)
         wait_for(lambda: _committing(pg), 10, interval=0.02)
@@ -81,17 +77,17 @@ def test_killed_worker_runs_the_task_exactly_once(producer: Celery, broker_url: 
         # rolled back with the connection: redelivered, and the second run commits
         wait_for(lambda: _rows(pg, key) == [2], 60,
                  message=lambda: f"one row, of attempt 2 (rows: {_rows(pg, key)})")
-        wait_for(lambda: _job(pg, key)[0] == "completed", 30)
-        assert _job(pg, key) == ("completed", 2, 2)
+        wait_for(lambda: job_state(pg, key) == "completed", 30)
+        assert job_fields(pg, *OUTCOME, task_id=key) == ("completed", 2, 2)
     else:
         # the commit went through (during: the server finished it after the client died)
-        wait_for(lambda: _job(pg, key)[0] == "completed", 30)
-        assert _job(pg, key) == ("completed", 1, 1)
+        wait_for(lambda: job_state(pg, key) == "completed", 30)
+        assert job_fields(pg, *OUTCOME, task_id=key) == ("completed", 1, 1)
         # the second worker's sweeper found the dead consumer and rescued nothing
         wait_for(lambda: pg.execute("SELECT count(*) FROM pgbroker.consumers").fetchone()[0] == 1,
                  30, message="the killed worker's consumer to be removed")
         time.sleep(2)  # a few more sweeps
-        assert _job(pg, key) == ("completed", 1, 1)
+        assert job_fields(pg, *OUTCOME, task_id=key) == ("completed", 1, 1)
     assert len(_rows(pg, key)) == 1, _rows(pg, key)
     second.stop()
     assert len(_rows(pg, key)) == 1
@@ -107,7 +103,7 @@ def test_late_failure_and_bad_use(producer: Celery, broker_url: str,
     wait_for(lambda: pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE state IN "
                                 "('completed', 'dead')").fetchone()[0] == 2, 60)
     worker.stop()
-    assert _job(pg, "late") == ("completed", 1, 1)
+    assert job_fields(pg, *OUTCOME, task_id="late") == ("completed", 1, 1)
     assert _rows(pg, "late") == [1]
     state, error = pg.execute("SELECT state, last_error FROM pgbroker.jobs "
                               "WHERE task_id = 'auto'").fetchone()

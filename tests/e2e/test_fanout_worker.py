@@ -11,9 +11,9 @@ import kombu
 import psycopg
 from celery import Celery
 
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 from tests.e2e.fanout_app import FANOUT
-from tests.e2e.support import key_runs
+from tests.support.workers import key_runs
 from tests.support.processes import run_worker, wait_for
 
 

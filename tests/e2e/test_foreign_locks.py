@@ -19,9 +19,9 @@ import kombu
 import psycopg
 from celery import Celery
 
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 from tests.e2e import hostile_app as h
-from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_done, wait_state
+from tests.support.workers import SHORT_LEASE, job, key_runs, start_worker, wait_done, wait_state
 from tests.support.processes import wait_for
 
 
@@ -59,7 +59,7 @@ def test_a_lock_on_the_queue_row_holds_up_no_heartbeat_and_runs_no_long_task_twi
             with kombu.Connection(broker_url) as conn:
                 kombu.Producer(conn.default_channel).publish(
                     {"n": 1}, routing_key="celery", declare=[kombu.Queue("celery")],
-                    serializer="json", headers={"task": "tests.e2e.app.touch", "id": "fresh"})
+                    serializer="json", headers={"task": "tests.apps.e2e_app.touch", "id": "fresh"})
             published.append("fresh")
 
         thread = threading.Thread(target=publish, daemon=True)

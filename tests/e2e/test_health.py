@@ -17,9 +17,9 @@ import psycopg
 import pytest
 
 from pgbroker.cli import main
-from tests.e2e.control_support import node
-from tests.e2e.support import start_worker
-from tests.integration.ticketflow_support import start_worker as start_ticketflow_worker
+from tests.support.control import node
+from tests.support.workers import start_worker
+from tests.support.tickets import start_worker as start_ticketflow_worker
 from tests.support.processes import run_beat, wait_for
 from tests.support.db import add_job
 from ticketflow.schedule import ENV_EXPIRE_INTERVAL

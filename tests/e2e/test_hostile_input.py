@@ -26,9 +26,9 @@ from celery import Celery
 from psycopg.rows import dict_row
 
 from pgbroker._model.text import MAX_NESTING, unescape
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 from tests.e2e import hostile_app as h
-from tests.e2e.support import key_runs, start_worker, wait_state
+from tests.support.workers import key_runs, start_worker, wait_state
 from tests.support.processes import WorkerProcess, wait_for
 
 
@@ -129,7 +129,7 @@ def test_a_message_celery_cannot_take_ends_dead_alone_and_the_worker_lives(
     with kombu.Connection(broker_url) as conn:
         kombu.Producer(conn.default_channel).publish(
             {"not": "a task body"}, routing_key="celery", serializer="json",
-            headers={"task": "tests.e2e.app.touch", "id": "bad-body", "lang": "py"})
+            headers={"task": "tests.apps.e2e_app.touch", "id": "bad-body", "lang": "py"})
     normal = [e2e.touch.delay(f"normal-{i}") for i in range(3)]
     worker = start_worker(broker_url, "-c", "1", "--prefetch-multiplier", "8", app=h.__name__)
     try:
@@ -204,12 +204,13 @@ def test_spoofed_wake_ups_stay_cheap(producer: Celery, runs: psycopg.Connection,
 
     def reads_during(count: int) -> int:
         with psycopg.connect(db_url, autocommit=True) as conn:
+            # equal windows of time, idle or spoofed, are compared: their length is the point
             time.sleep(2)
             before = _reads_of_jobs(runs)
             for _ in range(count):
                 conn.execute("SELECT pg_notify('pgbroker.jobs', %s)", (payload,))
-                time.sleep(0.002)
-            time.sleep(3)
+                time.sleep(0.002)  # one wake-up every millisecond or two
+            time.sleep(3)  # PostgreSQL's statistics, flushed at most once a second
             return _reads_of_jobs(runs) - before
 
     try:

@@ -17,8 +17,8 @@ import os
 import subprocess
 import sys
 
-from tests.e2e.control_support import REPLY_TIMEOUT, node
-from tests.e2e.support import start_worker
+from tests.support.control import REPLY_TIMEOUT, node
+from tests.support.workers import start_worker
 from tests.support.processes import REPO_ROOT
 
 #: inspect calls, each while another thread of the client publishes as fast as it can
@@ -26,7 +26,7 @@ CALLS = 10
 
 CLIENT = f"""
 import json, sys, threading, time
-from tests.e2e.app import app, touch
+from tests.apps.e2e_app import app, touch
 stop, sent = threading.Event(), [0]
 def publish():
     while not stop.is_set():

@@ -1,7 +1,7 @@
 """Job keys with real ``celery worker`` processes (issue 22): dedupe while queued, concurrency
 keys across several workers, cluster-wide rate limits.
 
-The tasks (``tests/e2e/keys_app.py``) record each run's start and end in ``public.key_runs`` by
+The tasks (``tests/apps/keys_app.py``) record each run's start and end in ``public.key_runs`` by
 the database clock; overlaps and rates are read from there with SQL. Figures are printed, not
 asserted: ``pytest -s tests/e2e/test_job_keys_worker.py``.
 """
@@ -16,12 +16,12 @@ import pytest
 from celery import Celery
 from psycopg.rows import dict_row
 
-from tests.e2e import keys_app
-from tests.e2e.support import SHORT_LEASE, start_worker
+from tests.apps import keys_app
+from tests.support.workers import SHORT_LEASE, start_worker
 from tests.support.processes import wait_for
 from tests.support.producers import drop_pools, point_producer
 
-APP = "tests.e2e.keys_app"
+APP = "tests.apps.keys_app"
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from psycopg.rows import dict_row
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
 from pgbroker.cli import main
-from tests.e2e import app as e2e
-from tests.e2e.support import job, key_runs, start_worker, wait_state
+from tests.apps import e2e_app as e2e
+from tests.support.workers import job, key_runs, start_worker, wait_state
 from tests.support.processes import wait_for
 
 
@@ -81,7 +81,7 @@ def test_a_task_that_retries_twice_then_fails_shows_its_chain_and_counts_as_retr
     # pgbroker stats: 2 retried, 1 dead, 0 completed
     assert main(["--database-url", db_url, "stats", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    (task,) = [t for t in stats["tasks"] if t["task"] == "tests.e2e.app.relapse"]
+    (task,) = [t for t in stats["tasks"] if t["task"] == "tests.apps.e2e_app.relapse"]
     assert (task["retried"], task["dead"], task["completed"]) == (2, 1, 0)
 
     # the admin job page of the first try: every try, the first two retried

@@ -27,7 +27,7 @@ from psycopg.rows import dict_row
 
 from tests.e2e import jobsem_app as app_module
 from tests.e2e.jobsem_support import producer, worker  # noqa: F401 - fixture
-from tests.e2e.support import SHORT_LEASE
+from tests.support.workers import SHORT_LEASE
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 OPTIONS = {**SHORT_LEASE, "pause_task_after": 5}

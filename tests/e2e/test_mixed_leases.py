@@ -12,8 +12,8 @@ from __future__ import annotations
 import psycopg
 from celery import Celery
 
-from tests.e2e.app import nap
-from tests.e2e.support import job, key_runs, start_worker
+from tests.apps.e2e_app import nap
+from tests.support.workers import job, key_runs, start_worker
 from tests.support.processes import wait_for
 
 SHORT = {"lease_timeout": 20, "heartbeat_interval": 5, "sweep_interval": 1}

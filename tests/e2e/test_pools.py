@@ -8,7 +8,7 @@ import psycopg
 from celery import Celery
 
 from tests.e2e.jobsem_support import producer, worker  # noqa: F401 - fixture
-from tests.e2e.support import SHORT_LEASE
+from tests.support.workers import SHORT_LEASE
 from tests.support.processes import wait_for
 
 OPTIONS = SHORT_LEASE

@@ -16,8 +16,8 @@ import json
 import psycopg
 from celery import Celery
 
-from tests.e2e import app as e2e
-from tests.e2e.support import jobs_by_state, owner_of
+from tests.apps import e2e_app as e2e
+from tests.support.workers import jobs_by_state, owner_of
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 CONF = {"task_acks_late": False, "worker_prefetch_multiplier": 4, "worker_disable_prefetch": True}

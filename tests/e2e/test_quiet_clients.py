@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import psycopg
 
-from tests.e2e.control_support import REPLY_TIMEOUT, celery_cli
-from tests.e2e.support import start_worker
+from tests.support.control import REPLY_TIMEOUT, celery_cli
+from tests.support.workers import start_worker
 from tests.support.processes import wait_for
 
 AUTOVACUUM = "autovacuum is off"

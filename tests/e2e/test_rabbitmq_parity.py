@@ -1,7 +1,7 @@
 """What a pgbroker worker answers to ``celery inspect`` against what a RabbitMQ worker answers
 for the same task, field by field: Celery's own inspect tests compare whole entries.
 
-Both workers are real ``celery worker`` processes of ``tests.e2e.app``, one on the test's
+Both workers are real ``celery worker`` processes of ``tests.apps.e2e_app``, one on the test's
 database, one on the RabbitMQ server at :data:`RABBITMQ_URL` (skipped when none listens there).
 Ids, node names and times differ by nature and are compared by form only.
 """
@@ -17,7 +17,7 @@ import kombu
 import pytest
 
 from pgbroker._pg.local_server import normalize_url
-from tests.e2e.control_support import REPLY_TIMEOUT, client_app, node
+from tests.support.control import REPLY_TIMEOUT, client_app, node
 from tests.support.processes import run_worker, wait_for
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -45,10 +45,10 @@ def rabbitmq_queue() -> Any:
 def _scheduled_entry(broker_url: str, queue: str, env: dict[str, str] | None) -> dict[str, Any]:
     """Start a worker on ``queue``, send it an eta task and return its one ``scheduled`` entry,
     the task's id, the worker's node name and the eta's value replaced by their form."""
-    worker = run_worker("tests.e2e.app", broker_url, "-Q", queue, "-c", "1", env=env)
+    worker = run_worker("tests.apps.e2e_app", broker_url, "-Q", queue, "-c", "1", env=env)
     worker.wait_ready(60)
     with client_app(broker_url) as client:
-        sent = client.send_task("tests.e2e.app.touch", ("later",), countdown=600, queue=queue)
+        sent = client.send_task("tests.apps.e2e_app.touch", ("later",), countdown=600, queue=queue)
         inspect = client.control.inspect(timeout=REPLY_TIMEOUT, destination=[node(worker)])
         replies = wait_for(lambda: (inspect.scheduled() or {}).get(node(worker)), 60,
                            message="the eta task in the worker's scheduled list")

@@ -21,8 +21,8 @@ from celery import Celery
 from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
 from pgbroker.sweeper import Sweeper
-from tests.e2e import app as e2e
-from tests.e2e.control_support import (
+from tests.apps import e2e_app as e2e
+from tests.support.control import (
     REPLY_QUEUES,
     REPLY_TIMEOUT,
     all_replies,
@@ -35,7 +35,7 @@ from tests.e2e.control_support import (
     start_workers,
     timed_ping,
 )
-from tests.e2e.support import job, key_runs, owner_of, wait_state
+from tests.support.workers import job, key_runs, owner_of, wait_state
 from tests.support.processes import wait_for
 
 
@@ -81,7 +81,7 @@ def test_inspect_answers_from_two_workers_with_tasks_running(
     entry = scheduled[na][0]
     assert datetime.fromisoformat(entry["eta"]) == job(runs, later.id)["run_at"]
     assert (entry["request"]["id"], entry["request"]["name"], entry["request"]["args"],
-            entry["request"]["hostname"]) == (later.id, "tests.e2e.app.touch", ["later"], na)
+            entry["request"]["hostname"]) == (later.id, "tests.apps.e2e_app.touch", ["later"], na)
     assert inspect.scheduled() == scheduled
     stats = inspect.stats()
     assert set(stats) == {na, nb}
@@ -89,7 +89,8 @@ def test_inspect_answers_from_two_workers_with_tasks_running(
         assert stats[name]["broker"]["transport"] == "pgbroker"
         assert stats[name]["pool"]["max-concurrency"] == 1
     registered = inspect.registered()
-    assert "tests.e2e.app.nap" in registered[na] and "tests.e2e.app.touch" in registered[nb]
+    assert "tests.apps.e2e_app.nap" in registered[na]
+    assert "tests.apps.e2e_app.touch" in registered[nb]
     found = inspect.query_task(running_a.id, reserved_a.id, running_b.id, later.id)
     assert {name: {tid: info[0] for tid, info in tasks.items()}
             for name, tasks in found.items()} == {
@@ -114,10 +115,10 @@ def test_control_commands_change_the_running_workers(
     assert replies == {n: {"ok": f"tasks {{'{revoked.id}'}} flagged as revoked"} for n in both}
     assert job(runs, revoked.id)["state"] == "cancelled"
 
-    assert cli_json(broker_url, "control", "rate_limit", "tests.e2e.app.boom", "7/m") == {
+    assert cli_json(broker_url, "control", "rate_limit", "tests.apps.e2e_app.boom", "7/m") == {
         n: {"ok": "new rate limit set successfully"} for n in both}
     inspect = producer.control.inspect(timeout=REPLY_TIMEOUT)
-    assert all("tests.e2e.app.boom [rate_limit=7/m]" in tasks
+    assert all("tests.apps.e2e_app.boom [rate_limit=7/m]" in tasks
                for tasks in inspect.registered("rate_limit").values())
 
     # pool_grow / pool_shrink on A only (-d): A's pool has 3 processes, then 2 again

@@ -25,12 +25,12 @@ import pytest
 from celery import Celery
 
 from pgbroker.errors import JobDead
-from tests.e2e import app as e2e
-from tests.e2e import results_app
+from tests.apps import e2e_app as e2e
+from tests.apps import results_app
 from tests.support.db import disk_full_when
 from tests.support.processes import run_worker
 
-NAME = "tests.e2e.results_app."
+NAME = "tests.apps.results_app."
 REASON = "the task succeeded but its result could not be stored: 53100 disk full (test)"
 
 #: Which writes of a result meet a full disk (see the module docstring).
@@ -52,7 +52,7 @@ def test_a_success_is_stored_or_its_job_ends_dead_with_the_reason(
     disk_full_when(pg, "pgbroker.results", FULL)
     for i in range(3):
         pg.execute(f'CREATE SEQUENCE public."blip-{i}"')
-    worker = run_worker("tests.e2e.results_app", broker_url, "-c", "2").wait_ready(60)
+    worker = run_worker("tests.apps.results_app", broker_url, "-c", "2").wait_ready(60)
     add = client.tasks[NAME + "add"]
     full = [add.apply_async((i, 1), task_id=f"full-{i}") for i in range(3)]
     blips = [add.apply_async((i, 2), task_id=f"blip-{i}") for i in range(3)]

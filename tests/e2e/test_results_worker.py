@@ -1,7 +1,7 @@
 """End to end: the pgbroker result backend with real ``celery worker`` processes.
 
 The producer is an app of its own per test (``results_app.make_app``) on the test's database;
-the worker runs ``tests.e2e.results_app``. Chord bodies record their runs in ``public.runs``.
+the worker runs ``tests.apps.results_app``. Chord bodies record their runs in ``public.runs``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import psycopg
 import pytest
 from celery import Celery, chord, group
 
-from tests.e2e import app as e2e
-from tests.e2e import results_app
+from tests.apps import e2e_app as e2e
+from tests.apps import results_app
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 
-NAME = "tests.e2e.results_app."
+NAME = "tests.apps.results_app."
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def client(broker_url: str, pg: psycopg.Connection) -> Iterator[Celery]:
 
 @pytest.fixture
 def worker(broker_url: str) -> WorkerProcess:
-    return run_worker("tests.e2e.results_app", broker_url, "-c", "2").wait_ready(60)
+    return run_worker("tests.apps.results_app", broker_url, "-c", "2").wait_ready(60)
 
 
 def chord_unlocks(pg: psycopg.Connection) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import psycopg
 from celery import Celery
 
-from tests.e2e import app as e2e
-from tests.e2e.support import start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import start_worker
 from tests.support.processes import wait_for
 
 

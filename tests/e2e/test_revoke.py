@@ -15,9 +15,9 @@ from datetime import timedelta
 import psycopg
 from celery import Celery
 
-from tests.e2e import app as e2e
-from tests.e2e.control_support import REPLY_TIMEOUT, celery_cli
-from tests.e2e.support import SHORT_LEASE, job, key_runs, start_worker, wait_state
+from tests.apps import e2e_app as e2e
+from tests.support.control import REPLY_TIMEOUT, celery_cli
+from tests.support.workers import SHORT_LEASE, job, key_runs, start_worker, wait_state
 from tests.support.processes import wait_for
 
 

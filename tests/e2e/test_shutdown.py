@@ -22,8 +22,8 @@ import psycopg
 import pytest
 from celery import Celery
 
-from tests.e2e import app as e2e
-from tests.e2e.support import job, key_runs
+from tests.apps import e2e_app as e2e
+from tests.support.workers import job, key_runs
 from tests.support.processes import run_worker, wait_for
 
 #: A lease no test outlives: what is given back, the stopping worker gave back.

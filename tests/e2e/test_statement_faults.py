@@ -19,8 +19,8 @@ from prometheus_client import generate_latest
 
 from pgbroker import health
 from pgbroker.metrics import MetricsReader, prometheus_registry
-from tests.e2e import app as e2e
-from tests.e2e.support import SHORT_LEASE, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import SHORT_LEASE, start_worker
 from tests.support.processes import wait_for
 
 DISK_FULL = """

@@ -1,6 +1,6 @@
-"""End to end: real ``celery worker`` processes consuming ``tests.e2e.app`` through pgbroker.
+"""End to end: real ``celery worker`` processes consuming ``tests.apps.e2e_app`` through pgbroker.
 
-Every task records its runs in ``public.runs`` (see ``tests/e2e/app.py``); the assertions count
+Every task records its runs in ``public.runs`` (see ``tests/apps/e2e_app.py``); the assertions count
 those rows and read the ``jobs`` rows, never the worker's log alone. Figures (throughput, latency)
 are printed, not asserted: run ``pytest -s tests/e2e`` to see them.
 """
@@ -14,8 +14,8 @@ from datetime import datetime, timezone
 import psycopg
 from celery import Celery
 
-from tests.e2e import app as e2e
-from tests.e2e.support import job, jobs_by_state, key_runs, percentile, start_worker, wait_state
+from tests.apps import e2e_app as e2e
+from tests.support.workers import job, jobs_by_state, key_runs, percentile, start_worker, wait_state
 from tests.support.processes import wait_for
 
 
@@ -102,7 +102,7 @@ def test_autoretry_with_backoff_and_jitter_finally_succeeds(producer: Celery,
         "SELECT count(*) = 3 AND bool_and(state = 'completed') FROM pgbroker.jobs"
         " WHERE task_id = %s", (result.id,)).fetchone()[0], 60, interval=0.1,
         message="three completed deliveries of the flaky task")
-    worker.wait_for_log(f"Task tests.e2e.app.flaky[{result.id}] succeeded", 15)
+    worker.wait_for_log(f"Task tests.apps.e2e_app.flaky[{result.id}] succeeded", 15)
 
     done = key_runs(runs, "flaky")
     assert [r["retries"] for r in done] == [0, 1, 2]
@@ -118,7 +118,7 @@ def _insert_raw(pg: psycopg.Connection, body: bytes, headers: object, task_id: s
     pg.execute(
         "INSERT INTO pgbroker.jobs (id, queue, task, task_id, exchange, routing_key, body,"
         " content_type, content_encoding, headers, properties)"
-        " VALUES (%s, 'celery', 'tests.e2e.app.touch', %s, '', 'celery', %s,"
+        " VALUES (%s, 'celery', 'tests.apps.e2e_app.touch', %s, '', 'celery', %s,"
         " 'application/json', 'utf-8', %s::jsonb, %s::jsonb)",
         (uuid.uuid4(), task_id, body, json.dumps(headers),
          json.dumps({"correlation_id": task_id, "delivery_mode": 2, "priority": 0})))
@@ -135,8 +135,9 @@ def test_undecodable_body_goes_dead_and_worker_keeps_running(
         producer: Celery, runs: psycopg.Connection, broker_url: str) -> None:
     worker = start_worker(broker_url)
     bad = str(uuid.uuid4())
-    _insert_raw(runs, b"\xff not json", {"task": "tests.e2e.app.touch", "id": bad, "lang": "py",
-                                         "argsrepr": "()", "kwargsrepr": "{}"}, bad)
+    _insert_raw(runs, b"\xff not json", {"task": "tests.apps.e2e_app.touch", "id": bad,
+                                         "lang": "py", "argsrepr": "()", "kwargsrepr": "{}"},
+                bad)
 
     row = wait_state(runs, bad, "dead")
     assert "undecodable" in row["last_error"], row["last_error"]
@@ -161,7 +162,7 @@ def test_malformed_row_goes_dead_and_worker_keeps_running(
 def test_unknown_task_goes_dead(producer: Celery, runs: psycopg.Connection,
                                 broker_url: str) -> None:
     worker = start_worker(broker_url)
-    result = producer.send_task("tests.e2e.app.no_such_task", args=("x",))
+    result = producer.send_task("tests.apps.e2e_app.no_such_task", args=("x",))
 
     row = wait_state(runs, result.id, "dead")
     assert row["last_error"], row

@@ -1,13 +1,12 @@
 """Fixtures of the integration tier (one process, a real database, no worker processes):
 
 * ``app``, ``client`` -- the admin app on this test's database, and a test client logged in
-  as alice (tests/integration/test_admin*.py; their logins and helpers: admin_support.py);
-* ``cli`` -- ``pgbroker`` commands run in-process against this test's database;
+  as alice (tests/integration/test_admin*.py; their logins and helpers: tests/support/admin.py);
 * ``store`` -- a :class:`~pgbroker._pg.store.Store` on this test's database, with the options of
-  transport_support.py (no sweeping behind the test's back).
+  tests/support/transport.py (no sweeping behind the test's back).
 
 The fixtures of every tier (``db_url``, ``pg``...) are in tests/conftest.py; those several
-tiers share (``runs``, ``producer``, ticketflow's) in tests/support/fixtures.py.
+tiers share (``runs``, ``producer``, ``cli``, ticketflow's) in tests/support/fixtures.py.
 """
 
 from __future__ import annotations
@@ -21,15 +20,13 @@ from flask.testing import FlaskClient
 
 from pgbroker._pg.store import Store
 from pgbroker.admin import create_app
-from pgbroker.cli import main
-from tests.integration.admin_support import CREDS, csrf_of
-from tests.integration.transport_support import store_for
-from tests.support.processes import Run
+from tests.support.admin import CREDS, csrf_of
+from tests.support.transport import store_for
 
 
 @pytest.fixture
 def app(db_url: str, pg: psycopg.Connection) -> Iterator[Flask]:
-    """The admin app (logins: admin_support.CREDS) with one queue, ``q1``."""
+    """The admin app (logins: tests.support.admin.CREDS) with one queue, ``q1``."""
     pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q1')")
     app = create_app(db_url, credentials=CREDS, refresh=1)
     app.config["TESTING"] = True
@@ -46,19 +43,6 @@ def client(app: Flask) -> FlaskClient:
                                            "csrf_token": token})
     assert response.status_code == 303
     return client
-
-
-@pytest.fixture
-def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    """``cli("stats", "--json")`` -> (exit status, stdout, stderr), against the test database."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(["--database-url", db_url, *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 @pytest.fixture

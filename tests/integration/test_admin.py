@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
 from pgbroker.errors import SchemaError
-from tests.integration.admin_support import CREDS, csrf, csrf_of
+from tests.support.admin import CREDS, csrf, csrf_of
 from tests.support.db import LOST, add_job
 
 XSS = "<script>alert('pwned')</script>"

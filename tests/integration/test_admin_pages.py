@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 
 from pgbroker.beat import Schedules
 from pgbroker.ops import JobFilter, Operations
-from tests.integration.admin_support import csrf
+from tests.support.admin import csrf
 from tests.support.db import add_job
 
 

@@ -18,7 +18,7 @@ from werkzeug.test import TestResponse
 from psycopg.types.json import Jsonb
 
 from pgbroker.admin import create_app
-from tests.integration.admin_support import CREDS, csrf, csrf_of
+from tests.support.admin import CREDS, csrf, csrf_of
 from tests.support.db import add_job
 from tests.support.processes import Run
 

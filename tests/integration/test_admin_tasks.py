@@ -8,7 +8,7 @@ import psycopg
 from flask.testing import FlaskClient
 
 from pgbroker.ops import Operations
-from tests.integration.admin_support import csrf
+from tests.support.admin import csrf
 from tests.support.db import add_job
 
 

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 import pgbroker
 from pgbroker._model.claimed import parse_wake
 from pgbroker.errors import IdempotencyKeyRequired, SchemaError
-from tests.integration.enqueue_support import (
+from tests.support.enqueue import (
     ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)
 from tests.integration.test_enqueue import (  # noqa: F401 - app and mixed_app are fixtures
     BAD_CALLS, app, decoded_body, jobs, listener, mixed_app, mixed_items, notifications, things)
@@ -348,7 +348,7 @@ async def test_a_cancelled_request_writes_nothing(
             async with pgbroker.atransaction(caller.db):
                 app.tasks["t.add"].delay(1, 1)
                 inside.set()
-                await asyncio.sleep(30)
+                await asyncio.sleep(30)  # a long request: cancelled long before its end
 
         served = asyncio.create_task(request())
         await inside.wait()

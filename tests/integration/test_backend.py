@@ -28,8 +28,9 @@ from celery.result import GroupResult
 from pgbroker._model.text import unescape, unescape_json
 from pgbroker.backend import DatabaseBackend
 from pgbroker.errors import ConfigurationError, JobDead, SchemaError
-from tests.e2e import results_app
+from tests.apps import results_app
 from tests.support.db import add_job
+from tests.support.processes import wait_for
 
 BODY = results_app.NAME + "collect"  # the chord body of these tests (never run here)
 
@@ -450,7 +451,10 @@ def test_a_forked_child_opens_its_own_connections(app: Celery, backend: Database
             code = 0 if app.AsyncResult("after-fork").get(timeout=20) == 2 else 2
         finally:
             os._exit(code)
-    time.sleep(0.5)  # (not a timed assertion: the child finds the result either way)
+    # the child has stored through the inherited objects and goes on to wait (not a timed
+    # assertion: the child finds the result either way)
+    wait_for(lambda: other_backend.get_task_meta("child", cache=False)["result"] == 7, 20,
+             interval=0.05, message="the child's result")
     store(other_backend, "after-fork", 2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

@@ -368,12 +368,6 @@ def test_a_bad_entry_is_refused_at_start_with_its_name(start: Start, pg: psycopg
     assert pg.execute("SELECT count(*) FROM pgbroker.beat_schedule").fetchone()[0] == 0
 
 
-def test_a_broker_other_than_pgbroker_is_refused() -> None:
-    app = Celery("other", broker="memory://", set_as_current=False)
-    with pytest.raises(ConfigurationError, match="uses the 'memory' broker"):
-        Scheduler(app, lazy=True)
-
-
 def test_a_timezone_without_a_name_is_refused(start: Start, app: Celery) -> None:
     app.conf.timezone = timezone(timedelta(hours=2))
     with pytest.raises(ConfigurationError, match="has no IANA name"):

@@ -34,7 +34,7 @@ from pgbroker._model.job import row_params
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
-from tests.integration.transport_support import (NO_POLL, LoopConsumer, connect, db_now,
+from tests.support.transport import (NO_POLL, LoopConsumer, connect, db_now,
                                                  drain_until, new_job, publish, store_for)
 
 QUEUE = "cursor"

@@ -15,7 +15,7 @@ import pytest
 from pgbroker._model.claimed import after_params
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.store import Store
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     Collector,
     LoopConsumer,

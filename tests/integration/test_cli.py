@@ -1,8 +1,9 @@
 """Every ``pgbroker`` command against a real database, with its errors (exit status 2).
 
 Most commands run in-process through :func:`pgbroker.cli.main` (fast); the entry point itself,
-``sweep --loop`` and ``serve`` run as real subprocesses. The last tests drive real
-``celery worker`` processes: a paused queue is not claimed, and a retried dead job runs.
+``sweep --loop`` and ``serve`` run as real subprocesses. With real ``celery worker`` processes
+(a paused queue is not claimed, a retried dead job runs): tests/e2e/test_cli_worker.py; the help
+and an unreachable database: tests/unit/test_cli_usage.py.
 """
 
 from __future__ import annotations
@@ -23,20 +24,15 @@ import pytest
 from pgbroker.cli import main
 from pgbroker.migrate import MIGRATIONS
 from pgbroker.ops import os_user
-from tests.e2e import app as e2e
-from tests.e2e.support import job, key_runs, start_worker
+from tests.apps import e2e_app as e2e
+from tests.support.workers import job
 from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
-from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs
+from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs, job_state
 
 @pytest.fixture
 def queue(pg: psycopg.Connection) -> str:
     pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q1'), ('q2')")
     return "q1"
-
-
-def state_of(pg: psycopg.Connection, job_id: uuid.UUID) -> str | None:
-    row = pg.execute("SELECT state FROM pgbroker.jobs WHERE id = %s", (job_id,)).fetchone()
-    return row[0] if row else None
 
 
 def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
@@ -45,23 +41,6 @@ def audit_rows(pg: psycopg.Connection, action: str) -> list[tuple]:
 
 
 # -- help, migrate, stats ------------------------------------------------------------------------
-
-COMMANDS = [["migrate"], ["stats"], ["jobs", "list"], ["jobs", "show"], ["dead", "list"],
-            ["dead", "retry"], ["dead", "discard"], ["cancel"], ["revoke"], ["purge"], ["pause"],
-            ["resume"], ["audit"], ["sweep"], ["serve"], ["health", "worker"],
-            ["health", "queue"], ["health", "beat"]]
-
-
-@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
-def test_help_explains_each_command(command: list[str], capsys: pytest.CaptureFixture[str]
-                                    ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main([*command, "--help"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert f"usage: pgbroker {' '.join(command)}" in out
-    assert "--database-url" in out and len(out.splitlines()) > 5
-
 
 def test_the_entry_point_runs_and_reports_usage_errors(db_url: str) -> None:
     done = subprocess.run([sys.executable, "-m", "pgbroker", "--database-url", db_url, "stats"],
@@ -94,11 +73,6 @@ def test_bad_database_url_and_schema_are_usage_errors(cli: Run, capsys: pytest.C
     assert code == 2 and "not a valid pgbroker schema name" in err
     assert main(["--database-url", "mysql://x@y/z", "stats"]) == 2
     assert "is not a PostgreSQL URL" in capsys.readouterr().err
-
-
-def test_unreachable_database_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--database-url", "postgresql://nobody@127.0.0.1:1/none", "stats"]) == 1
-    assert "cannot connect to PostgreSQL" in capsys.readouterr().err
 
 
 def test_stats_table_and_json(cli: Run, pg: psycopg.Connection, queue: str) -> None:
@@ -220,7 +194,7 @@ def test_dead_action_errors_are_exit_2(cli: Run, pg: psycopg.Connection, queue: 
     assert code == 2 and "either a job id or --all" in err
     code, _, err = cli("dead", action, "--all", "--queue", "nope")
     assert code == 2 and "unknown queue 'nope'" in err and "q1" in err
-    assert state_of(pg, pending) == "pending"
+    assert job_state(pg, id=pending) == "pending"
     assert pg.execute("SELECT count(*) FROM pgbroker.audit").fetchone()[0] == 0
 
 
@@ -233,7 +207,7 @@ def test_dead_retry_all_in_batches_with_progress(cli: Run, pg: psycopg.Connectio
     assert err.splitlines()[1:] == ["retried 2 of 5", "retried 4 of 5", "retried 5 of 5"]
     assert pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE queue = 'q1' AND state ="
                       " 'pending' AND attempts = 0").fetchone()[0] == 5
-    assert state_of(pg, other) == "dead"
+    assert job_state(pg, id=other) == "dead"
     assert len(audit_rows(pg, "dead.retry")) == 5
 
 
@@ -241,7 +215,7 @@ def test_dead_discard_one_and_all(cli: Run, pg: psycopg.Connection, queue: str) 
     one = add_job(pg, "dead", last_error="ValueError: boom", task_id="tid-1")
     add_jobs(pg, 3, "dead", queue="q2")
     code, out, _ = cli("dead", "discard", str(one))
-    assert code == 0 and state_of(pg, one) is None
+    assert code == 0 and job_state(pg, id=one) is None
     [(_, target, detail)] = audit_rows(pg, "dead.discard")
     assert (target, detail["last_error"], detail["task_id"]) == (str(one), "ValueError: boom",
                                                                  "tid-1")
@@ -259,10 +233,10 @@ def test_cancel(cli: Run, pg: psycopg.Connection) -> None:
     running = add_job(pg, "running")
     for job_id in (pending, scheduled):
         code, out, _ = cli("cancel", str(job_id))
-        assert (code, state_of(pg, job_id)) == (0, "cancelled")
+        assert (code, job_state(pg, id=job_id)) == (0, "cancelled")
     code, _, err = cli("cancel", str(running))
     assert code == 2 and "is running: only pending or scheduled jobs can be cancelled" in err
-    assert state_of(pg, running) == "running"
+    assert job_state(pg, id=running) == "running"
     for bad, message in (("xyz", "is not a job id"), (str(uuid.uuid4()), "no job with id")):
         code, _, err = cli("cancel", bad)
         assert code == 2 and message in err
@@ -278,7 +252,7 @@ def test_purge_in_batches_keeps_running_and_dead(cli: Run, pg: psycopg.Connectio
     assert (code, out.strip()) == (0, "purged 7 pending or scheduled job(s) of queue q1")
     assert err.splitlines()[-1] == "deleted 7 of 7" and len(err.splitlines()) >= 2
     assert pg.execute("SELECT count(*) FROM pgbroker.jobs").fetchone()[0] == 3
-    assert all(state_of(pg, k) is not None for k in keep)
+    assert all(job_state(pg, id=k) is not None for k in keep)
     [(_, target, detail)] = audit_rows(pg, "queue.purge")
     assert (target, detail["deleted"], detail["found"]) == ("q1", 7, 7)
     code, _, err = cli("purge", "nope")
@@ -324,7 +298,7 @@ def test_sweep_one_pass_redelivers_an_orphan(cli: Run, pg: psycopg.Connection) -
     orphan = add_job(pg, "running", attempts=1)  # its consumer is not registered: gone
     code, out, _ = cli("sweep")
     assert code == 0 and "rescued 1" in out
-    assert state_of(pg, orphan) == "pending"
+    assert job_state(pg, id=orphan) == "pending"
 
 
 def test_sweep_loop_runs_until_sigterm(db_url: str, pg: psycopg.Connection, tmp_path: Path
@@ -334,7 +308,7 @@ def test_sweep_loop_runs_until_sigterm(db_url: str, pg: psycopg.Connection, tmp_
     with pgbroker_process("--database-url", db_url, "sweep", "--loop", "--interval", "0.2",
                           log=log):
         wait_for(lambda: "rescued 1" in log.read_text(), 60, message="a sweep that rescued")
-        assert state_of(pg, orphan) == "pending"
+        assert job_state(pg, id=orphan) == "pending"
 
 
 def test_serve_on_loopback_without_credentials_makes_a_one_time_token(
@@ -418,23 +392,24 @@ def pgbroker_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess
 
 def test_dash_a_takes_the_url_and_the_schema_from_the_celery_app(
         broker_url: str, pg: psycopg.Connection) -> None:
-    # like celery -A: tests.e2e.app reads its broker URL and transport options from these
+    # like celery -A: tests.apps.e2e_app reads its broker URL and transport options from these
     env = {"PGBROKER_TEST_BROKER_URL": with_password(broker_url, "s3cret"),
            "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps({"schema": "appschema"}),
            "PGBROKER_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/elsewhere"}  # -A wins
-    done = pgbroker_cli("-A", "tests.e2e.app", "migrate", env=env)
+    done = pgbroker_cli("-A", "tests.apps.e2e_app", "migrate", env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("schema appschema: applied migration(s) 1,")
     pg.execute("INSERT INTO appschema.queues (name) VALUES ('only-in-appschema')")
-    done = pgbroker_cli("stats", "-A", "tests.e2e.app", "--json", env=env)  # after the command too
+    # -A after the command too
+    done = pgbroker_cli("stats", "-A", "tests.apps.e2e_app", "--json", env=env)
     assert done.returncode == 0, done.stderr
     assert [q["queue"] for q in json.loads(done.stdout)["queues"]] == ["only-in-appschema"]
     name = broker_url.rsplit("/", 1)[1]
     assert done.stderr.splitlines()[0] == (
         f"pgbroker: database postgresql://postgres:**@127.0.0.1:5432/{name}, schema appschema "
-        "(from the Celery app tests.e2e.app)")
+        "(from the Celery app tests.apps.e2e_app)")
     # --schema and --database-url still win over the app
-    done = pgbroker_cli("-A", "tests.e2e.app", "--schema", "pgbroker", "stats", env=env)
+    done = pgbroker_cli("-A", "tests.apps.e2e_app", "--schema", "pgbroker", "stats", env=env)
     assert done.returncode == 0 and "schema pgbroker (from the Celery app" in done.stderr
 
 
@@ -464,61 +439,6 @@ def test_serve_on_a_busy_port_says_so_in_one_line(db_url: str) -> None:
     error = done.stderr.splitlines()[-1]
     assert error.startswith(f"pgbroker: error: cannot listen on 127.0.0.1:{port}: ")
     assert "--port" in error
-
-
-# -- with real workers ---------------------------------------------------------------------------
-
-def test_a_paused_queue_is_not_claimed_by_a_real_worker(cli: Run, producer, runs) -> None:
-    worker = start_worker(producer.conf.broker_url, "-Q", "celery,other")
-    assert cli("pause", "celery")[0] == 0
-    held = e2e.touch.apply_async(args=["held"], queue="celery")
-    e2e.touch.apply_async(args=["control"], queue="other")
-    # The worker consumes both queues: once the later job of the other queue has run, the
-    # paused one had every chance to be claimed first.
-    wait_for(lambda: key_runs(runs, "control"), 60, message="the control job to run")
-    assert key_runs(runs, "held") == []
-    assert job(runs, held.id)["state"] == "pending"
-    assert cli("resume", "celery")[0] == 0
-    wait_for(lambda: key_runs(runs, "held"), 60, message="the held job to run after resume")
-    worker.stop()
-
-
-def test_dead_letters_from_a_real_worker(cli: Run, producer, runs) -> None:
-    worker = start_worker(producer.conf.broker_url)
-    # A task that raises: dead with its error and traceback, retried, run again.
-    failed = e2e.boom.apply_async(args=["boom-1"])
-    wait_for(lambda: job(runs, failed.id)["state"] == "dead", 60, message="boom to go dead")
-    code, out, _ = cli("dead", "list")
-    [row] = out.splitlines()[1:]
-    assert "ValueError: boom boom-1" in row and "POISON" not in row
-    code, out, _ = cli("jobs", "show", failed.id)
-    assert "Traceback" in out
-    job_id = job(runs, failed.id)["id"]
-    assert cli("dead", "retry", str(job_id))[0] == 0
-    wait_for(lambda: len(key_runs(runs, "boom-1")) == 2, 60, message="the retried run")
-    wait_for(lambda: job(runs, failed.id)["state"] == "dead", 60, message="dead again")
-    assert job(runs, failed.id)["attempts"] == 1  # a fresh start, not attempt 2
-
-    # A job whose first attempt failed (the state the failure hook leaves), retried: it must
-    # complete, not be buried again by the failure recorded for its old attempt 1.
-    assert cli("pause", "celery")[0] == 0
-    sent = e2e.touch.apply_async(args=["second-chance"])
-    wait_for(lambda: job(runs, sent.id), 30, message="the job row")
-    runs.execute("UPDATE pgbroker.jobs SET state = 'dead', attempts = 1, failed_attempt = 1,"
-                 " last_error = 'Transient: first try' WHERE task_id = %s", (sent.id,))
-    assert cli("resume", "celery")[0] == 0
-    assert cli("dead", "retry", "--all")[0] == 0
-    wait_for(lambda: job(runs, sent.id)["state"] == "completed", 60,
-             message=lambda: f"the retried job to complete ({job(runs, sent.id)['state']})")
-
-    # A poison job: it kills its pool process on every delivery (2 here).
-    poison = e2e.suicide.apply_async(args=["poison-1"], headers={"max_attempts": 2})
-    wait_for(lambda: job(runs, poison.id)["state"] == "dead", 120, message="poison to go dead")
-    code, out, _ = cli("dead", "list", "--json")
-    flags = {r["task_id"]: r["poison"] for r in json.loads(out)}
-    assert flags == {poison.id: True, failed.id: False}
-    assert len(key_runs(runs, "poison-1")) == 2
-    worker.stop()
 
 
 def test_dead_letters_of_a_queue_whose_row_is_gone(cli: Run, pg: psycopg.Connection) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import pgbroker
 from tests.integration.test_django import Abort, client  # noqa: F401 - fixtures
-from tests.support.db import add_job
+from tests.support.db import add_job, job_fields
 
 
 def _running(pg: psycopg.Connection, attempts: int = 1) -> tuple[uuid.UUID, Any]:
@@ -28,15 +28,10 @@ def _running(pg: psycopg.Connection, attempts: int = 1) -> tuple[uuid.UUID, Any]
         properties={"delivery_tag": f"{job}/{attempts}"}), app=None)
 
 
-def _state(pg: psycopg.Connection, job: uuid.UUID) -> tuple[str, int | None]:
-    return pg.execute("SELECT state, completed_attempt FROM pgbroker.jobs WHERE id = %s",
-                      (job,)).fetchone()
-
-
 def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -> None:
     from django.db import connection, transaction
 
-    from tests.django_project.shop.models import Order
+    from tests.apps.django_project.shop.models import Order
 
     job, task = _running(pg)
     task.app = client
@@ -44,11 +39,11 @@ def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -
         Order.objects.create(item="rolled back")
         pgbroker.complete(connection, task)
         raise Abort
-    assert _state(pg, job) == ("running", None)
+    assert job_fields(pg, "state", "completed_attempt", id=job) == ("running", None)
     with transaction.atomic():
         Order.objects.create(item="kept")
         pgbroker.complete(connection, task)
-    assert _state(pg, job) == ("completed", 1)
+    assert job_fields(pg, "state", "completed_attempt", id=job) == ("completed", 1)
     assert [o.item for o in Order.objects.all()] == ["kept"]
 
 
@@ -61,12 +56,12 @@ def test_sqlalchemy_and_psycopg(client: Celery, db_url: str, pg: psycopg.Connect
         session.execute(text("INSERT INTO public.effects VALUES (:j)"), {"j": job})
         pgbroker.complete(session, task)
         session.rollback()
-    assert _state(pg, job) == ("running", None)
+    assert job_fields(pg, "state", "completed_attempt", id=job) == ("running", None)
     with Session(engine) as session, session.begin():
         session.execute(text("INSERT INTO public.effects VALUES (:j)"), {"j": job})
         pgbroker.complete(session, task)
     engine.dispose()
-    assert _state(pg, job) == ("completed", 1)
+    assert job_fields(pg, "state", "completed_attempt", id=job) == ("completed", 1)
 
     # a second completion of the same delivery, and one of a delivery taken back, are refused
     # (the task's transaction must then not commit)

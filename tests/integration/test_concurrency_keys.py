@@ -20,7 +20,7 @@ import pytest
 
 from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper
-from tests.integration.transport_support import age_consumer, counts, new_job, store_for
+from tests.support.transport import age_consumer, counts, new_job, store_for
 
 
 def keyed(key: str | None, limit: int | None = None, **fields: Any) -> Any:

@@ -20,7 +20,7 @@ from pgbroker import health
 from pgbroker._pg.store import Store
 from pgbroker.metrics import MetricsReader
 from pgbroker.sweeper import Sweeper
-from tests.integration.transport_support import age_consumer, new_job, store_for
+from tests.support.transport import age_consumer, new_job, store_for
 from tests.support.db import db_now, jobs
 
 

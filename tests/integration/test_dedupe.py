@@ -24,7 +24,7 @@ from pgbroker._model.job import NewJob, lookup_params
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.store import Store
 from pgbroker.errors import MessageError
-from tests.integration.transport_support import jobs
+from tests.support.transport import jobs
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Django: jobs enqueued on Django's own connection, inside ``transaction.atomic()``.
 
-The project is ``tests/django_project`` (settings, a Celery app, the app ``shop``); the
+The project is ``tests/apps/django_project`` (settings, a Celery app, the app ``shop``); the
 ``django_db`` fixture (``tests/support/fixtures.py``) points its ``default`` connection at each
-test's fresh database. The worker is ``celery -A tests.django_project.celery``,
+test's fresh database. The worker is ``celery -A tests.apps.django_project.celery``,
 a real Django + Celery worker whose task reads the order through the ORM: it succeeds only if the
 order's transaction committed before the job could run.
 """
@@ -18,10 +18,10 @@ from celery import Celery
 
 import pgbroker
 from pgbroker.contrib import django as pgdjango
-from tests.e2e import results_app
+from tests.apps import results_app
 from tests.support.processes import run_worker, wait_for
 
-CONFIRM = "tests.django_project.shop.tasks.confirm_order"
+CONFIRM = "tests.apps.django_project.shop.tasks.confirm_order"
 
 
 class Abort(Exception):
@@ -41,7 +41,7 @@ def _jobs(pg: psycopg.Connection) -> list[tuple[str, str]]:
 
 def _enqueue_order(client: Celery, how: str, item: str) -> int:
     """In the caller's atomic(): create an order and enqueue its confirmation ``how``."""
-    from tests.django_project.shop.models import Order
+    from tests.apps.django_project.shop.models import Order
 
     order = Order.objects.create(item=item)
     if how == "enqueue":
@@ -56,7 +56,7 @@ def _enqueue_order(client: Celery, how: str, item: str) -> int:
 def test_rollback_leaves_no_job(client: Celery, pg: psycopg.Connection, how: str) -> None:
     from django.db import transaction
 
-    from tests.django_project.shop.models import Order
+    from tests.apps.django_project.shop.models import Order
 
     with pytest.raises(Abort), transaction.atomic():
         _enqueue_order(client, how, "book")
@@ -71,7 +71,7 @@ def test_commit_runs_the_job_on_a_worker(client: Celery, pg: psycopg.Connection,
                                          broker_url: str, how: str) -> None:
     from django.db import transaction
 
-    from tests.django_project.shop.models import Order
+    from tests.apps.django_project.shop.models import Order
 
     with transaction.atomic():
         order_id = _enqueue_order(client, how, "lamp")
@@ -79,8 +79,8 @@ def test_commit_runs_the_job_on_a_worker(client: Celery, pg: psycopg.Connection,
     [(task, task_id)] = _jobs(pg)
     assert task == CONFIRM
 
-    run_worker("tests.django_project.celery", broker_url,
-               env={"DJANGO_SETTINGS_MODULE": "tests.django_project.settings"}).wait_ready(60)
+    run_worker("tests.apps.django_project.celery", broker_url,
+               env={"DJANGO_SETTINGS_MODULE": "tests.apps.django_project.settings"}).wait_ready(60)
     assert client.AsyncResult(task_id).get(timeout=30) == order_id
     assert Order.objects.get(pk=order_id).confirmed
     wait_for(lambda: pg.execute("SELECT state FROM pgbroker.jobs").fetchone()[0] == "completed",

@@ -35,7 +35,7 @@ from pgbroker._model.claimed import parse_wake
 from pgbroker._produce.transaction import current_target as _current_target
 from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageError, SchemaError
 from tests.support.processes import wait_for
-from tests.integration.enqueue_support import (
+from tests.support.enqueue import (
     KINDS, Caller, Recorder, comparable, pgbroker_inserts, rows_of)
 from tests.support import db as support_db
 

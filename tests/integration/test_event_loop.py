@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     LoopConsumer,
     connect,
@@ -26,6 +26,7 @@ from tests.integration.transport_support import (
     jobs,
     publish,
 )
+from tests.support.processes import wait_for
 
 
 @pytest.fixture
@@ -36,14 +37,16 @@ def locker(db_url: str) -> Iterator[psycopg.Connection]:
         conn.rollback()
 
 
+def unread_bytes(fd: int) -> int:
+    """How many bytes wait unread on socket ``fd``."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+
+
 def wait_for_bytes(fd: int, more_than: int, timeout: float = 10.0) -> int:
     """Wait until more than ``more_than`` bytes wait unread on socket ``fd``; returns how many."""
-    deadline = time.monotonic() + timeout
-    while (unread := struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]) \
-            <= more_than:
-        assert time.monotonic() < deadline, f"still {unread} bytes unread on the socket"
-        time.sleep(0.01)
-    return unread
+    return wait_for(lambda: (unread := unread_bytes(fd)) > more_than and unread, timeout,
+                    interval=0.01, message=lambda: f"more than {more_than} bytes unread on the "
+                    f"socket (still {unread_bytes(fd)})")
 
 
 def lock_jobs(conn: psycopg.Connection) -> None:
@@ -196,8 +199,15 @@ def test_the_poll_takes_a_result_whose_bytes_were_read_outside_the_loop(
         consumer.run_until(lambda: conn.transport.in_flight is not None)
         listener = conn.transport.consumer.listen()
         wait_for_bytes(listener.fileno(), 0)
-        time.sleep(0.1)  # the whole result
-        listener.pgconn.consume_input()  # into libpq's buffer: the socket is quiet again
+
+        def whole_result_buffered() -> bool:
+            """Read the socket into libpq's buffer, outside the loop, until the claim's whole
+            result is there (libpq then says a PQgetResult would not block)."""
+            listener.pgconn.consume_input()
+            return not listener.pgconn.is_busy()
+
+        # the socket is quiet again, the result in libpq's buffer only
+        wait_for(whole_result_buffered, 10, interval=0.01, message="the claim's whole result")
         consumer.run_until(lambda: len(consumer.received) == 1, timeout=10)
         assert consumer.received[0].payload == "stranded"
         consumer.hub.close()

@@ -25,7 +25,7 @@ from pgbroker._pg.catalogue import queries
 from pgbroker._pg.store import Store
 from pgbroker.migrate import MIGRATIONS, apply
 from pgbroker.ops import Operations
-from tests.integration.transport_support import new_job, store_for
+from tests.support.transport import new_job, store_for
 from tests.support.processes import wait_for
 
 CONSUMER = uuid.uuid4()

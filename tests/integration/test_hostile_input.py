@@ -30,7 +30,7 @@ from pgbroker.errors import ConfigurationError, IdempotencyKeyRequired, MessageE
 from pgbroker.sweeper import Sweeper
 from pgbroker.transport import UNROUTABLE
 from tests.support.processes import REPO_ROOT
-from tests.integration.transport_support import Collector, connect, jobs, publish, store_for
+from tests.support.transport import Collector, connect, jobs, publish, store_for
 
 SURROGATE = b"caf\xe9".decode("utf-8", "surrogateescape")  # os.listdir's name for b"caf\xe9"
 

@@ -1,12 +1,12 @@
 """Issue 22 (points 4, 5) at the statement level, on a real database: the sweeper's pass signals
 each job it made dead once, in the calling process (a worker's lease thread, or ``pgbroker
 sweep``), and counts its rescues towards pausing the task; a paused task name is not claimed;
-pauses and resumes are audited; the backoff table and the option are checked.
+pauses and resumes are audited. (The backoff table and the option, which need no database:
+tests/unit/test_backoff.py, tests/unit/test_settings.py.)
 """
 
 from __future__ import annotations
 
-import random
 import uuid
 from typing import Any
 
@@ -14,15 +14,13 @@ import psycopg
 import pytest
 
 from pgbroker import signals
-from pgbroker.backoff import SEED_TABLE, table_delay
-from pgbroker.errors import ConfigurationError, OperationError
+from pgbroker.errors import OperationError
 from pgbroker.ops import Operations
-from pgbroker.settings import Settings
 from pgbroker._pg.catalogue import queries
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job
 from tests.integration.test_sweeper_log import lost_consumer
-from tests.integration.transport_support import store_for
+from tests.support.transport import store_for
 
 
 @pytest.fixture
@@ -95,25 +93,6 @@ def test_a_paused_task_name_is_not_claimed(db_url: str, pg: psycopg.Connection) 
         store.close()
 
 
-def test_backoff_table() -> None:
-    assert [table_delay(n, jitter=0) for n in range(7)] == [10, 40, 180, 720, 3000, 3000, 3000]
-    rng = random.Random(7)
-    delays = [table_delay(2, SEED_TABLE, 0.2, rng) for _ in range(200)]
-    assert all(144 <= d <= 216 for d in delays) and len(set(delays)) > 100
-    for bad in ({"table": ()}, {"table": (-1,)}, {"jitter": 1.5}, {"retries": -1}):
-        kwargs: dict[str, Any] = {"retries": 0, **bad}
-        with pytest.raises(ValueError):
-            table_delay(**kwargs)
-
-
-def test_pause_task_after_is_checked() -> None:
-    assert Settings().pause_task_after == 5
-    assert Settings.from_options({"pause_task_after": 0}).pause_task_after == 0
-    for bad in (-1, "5", 2.5, True):
-        with pytest.raises(ConfigurationError, match="pause_task_after"):
-            Settings(pause_task_after=bad)
-
-
 def test_cli_task_commands_stats_metrics_and_dead_runs(db_url: str, pg: psycopg.Connection,
                                                        cli: Any) -> None:
     """``pgbroker task pause|resume|list``, the paused task in ``stats`` and in the metric
@@ -146,20 +125,3 @@ def test_cli_task_commands_stats_metrics_and_dead_runs(db_url: str, pg: psycopg.
     code, out, _ = cli("dead", "list")
     line = next(line for line in out.splitlines() if "t.flaky" in line)
     assert "4 (3 retries)" in line and "1/5" in line
-
-
-def test_the_claim_stays_an_index_walk_with_a_task_paused(db_url: str,
-                                                          pg: psycopg.Connection) -> None:
-    """The paused-task filter must not turn the claim into a bitmap scan and a sort of the
-    backlog (as a NOT EXISTS per row, or a filter on task's own statistics, did)."""
-    from tests.bench import test_query_plans as plans
-    from tests.bench.harness import fill
-
-    fill(db_url, plans.SAMPLE, "celery", "completed", 200_000)
-    fill(db_url, plans.SAMPLE, "celery", "pending", plans.BACKLOG)
-    pg.execute("INSERT INTO pgbroker.task_pauses (task, paused_by, reason) "
-               "VALUES ('bench.other', 'test', 'test')")
-    pg.execute("ANALYZE pgbroker.jobs")
-    claim = queries("pgbroker")["job_claim"]
-    plans._assert_uses_claim_index(plans._custom_plan(pg, claim))
-    plans._assert_uses_claim_index(plans._generic_plan(pg, claim))

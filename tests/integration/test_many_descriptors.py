@@ -12,7 +12,7 @@ import kombu
 import psycopg
 import pytest
 
-from tests.integration.transport_support import LoopConsumer, NO_POLL, connect, drain_until, \
+from tests.support.transport import LoopConsumer, NO_POLL, connect, drain_until, \
     publish
 
 

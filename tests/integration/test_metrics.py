@@ -15,7 +15,6 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pgbroker.errors import DatabaseUnavailable
 from pgbroker.metrics import MetricsReader, Snapshot, prometheus_registry
 from pgbroker.ops import is_poison
 from tests.support.db import CHILD_KILLED, CHILD_LOST, LOST, add_job, add_jobs
@@ -108,15 +107,6 @@ def test_prometheus_exposition_matches(populated: psycopg.Connection) -> None:
     assert value("pgbroker_queue_paused", queue="q1") == 0
     assert value("pgbroker_queue_consumers", queue="q1") == 2
     assert value("pgbroker_consumers_alive") == 2
-
-
-def test_unreachable_database_is_pgbroker_up_0() -> None:
-    def broken() -> Snapshot:
-        raise DatabaseUnavailable("cannot connect")
-
-    text = generate_latest(prometheus_registry(broken)).decode()
-    assert "pgbroker_up 0.0" in text
-    assert "pgbroker_jobs{" not in text
 
 
 def test_finished_counts_are_incremental(pg: psycopg.Connection) -> None:

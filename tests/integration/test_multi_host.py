@@ -15,7 +15,7 @@ from psycopg.conninfo import conninfo_to_dict
 from pgbroker._pg import driver as _db
 from pgbroker._pg.store import Store
 from pgbroker.settings import Settings
-from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, jobs, publish
+from tests.support.transport import NO_POLL, LoopConsumer, connect, jobs, publish
 from tests.support.db import free_port
 from tests.support.processes import wait_for
 

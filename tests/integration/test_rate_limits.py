@@ -15,7 +15,8 @@ from pgbroker._consume.lease import Lease
 from pgbroker._consume.lease import write_rate_limits
 from pgbroker._model.rate_limits import parse_rate_limits
 from pgbroker._pg.store import Store
-from tests.integration.transport_support import counts, new_job, store_for
+from tests.support.processes import wait_for
+from tests.support.transport import counts, new_job, store_for
 
 
 def limit(pg: psycopg.Connection, rates: dict[str, str]) -> None:
@@ -56,7 +57,11 @@ def test_claims_beyond_the_limit_wait_in_the_database(db_url: str, pg: psycopg.C
                            "  WHERE state = 'scheduled') AS s").fetchall()
         assert len(waits) == 15 and all(0.99 <= w[0] <= 1.01 for w in waits), waits
         assert store.claim("q", 30, consumer) == []
-        time.sleep(1.05)
+        # until they are due by the database's clock (the one promote reads), however long
+        # this process took to get here
+        wait_for(lambda: pg.execute("SELECT clock_timestamp() >= max(run_at) FROM pgbroker.jobs"
+                                    " WHERE state = 'scheduled'").fetchone()[0], 10,
+                 interval=0.05, message="the 15 waiting claims to fall due")
         assert store.promote(["q"]) == 15
         assert len(store.claim("q", 30, consumer)) == 5
         assert counts(pg) == {"running": 15, "scheduled": 10}
@@ -85,7 +90,7 @@ def test_four_consumers_together_keep_the_limit(db_url: str, pg: psycopg.Connect
                 store.ack(locked, locked=later)
                 held = [(r.id, r.attempt) for r in rows] + later
                 if not rows:
-                    time.sleep(0.02)
+                    time.sleep(0.02)  # a worker's poll: the next claim a moment later
         except BaseException as exc:  # noqa: BLE001 - asserted below
             errors.append(exc)
         finally:
@@ -97,8 +102,8 @@ def test_four_consumers_together_keep_the_limit(db_url: str, pg: psycopg.Connect
     for t in threads:
         t.start()
     try:
-        while counts(pg).get("completed", 0) < 170 and time.monotonic() - started < 30:
-            time.sleep(0.1)
+        wait_for(lambda: counts(pg).get("completed", 0) >= 170, 30, interval=0.1,
+                 message=lambda: f"the 170 jobs to complete ({counts(pg)})")
     finally:
         stop.set()
         for t in threads:

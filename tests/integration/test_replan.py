@@ -17,17 +17,36 @@ import uuid
 import psycopg
 import pytest
 
+import pgbroker._consume.turn
 import pgbroker._pg.session
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.libpq import numbered as _numbered
-from tests.integration.transport_support import NO_POLL, LoopConsumer, connect, publish, store_for
+from tests.support.transport import NO_POLL, LoopConsumer, connect, publish, store_for
 
 INTERVAL = 1.0  # REPLAN_SECONDS for these tests
 
 
+class Clock:
+    """The monotonic clock the store and the event loop read their replan times from, which a
+    test moves forward (``advance``) instead of sleeping until a replan is due."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
 @pytest.fixture(autouse=True)
-def _short_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     monkeypatch.setattr(pgbroker._pg.session, "REPLAN_SECONDS", INTERVAL)
+    clock = Clock()
+    monkeypatch.setattr(pgbroker._pg.session, "monotonic", clock)
+    monkeypatch.setattr(pgbroker._consume.turn, "monotonic", clock)
+    return clock
 
 
 def grow(pg: psycopg.Connection, rows: int = 20_000) -> None:
@@ -50,7 +69,7 @@ def claim_plan(conn: psycopg.Connection, statement: str) -> str:
 
 
 def test_the_event_loop_plans_its_claim_again_once_the_table_grew(
-        broker_url: str, pg: psycopg.Connection) -> None:
+        broker_url: str, pg: psycopg.Connection, clock: Clock) -> None:
     with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
         consumer = LoopConsumer(conn, "replan", prefetch=1)
         publish(producer, "on an empty table", "replan")
@@ -60,7 +79,7 @@ def test_the_event_loop_plans_its_claim_again_once_the_table_grew(
         assert "Seq Scan on jobs" in claim_plan(listener, "pgbroker_claim")
 
         grow(pg)
-        time.sleep(INTERVAL)
+        clock.advance(INTERVAL)
         publish(producer, "on a grown table", "replan")
         consumer.run_until(lambda: len(consumer.received) == 2)
         consumer.run_until(lambda: not conn.transport.consumer.line.busy)
@@ -71,7 +90,7 @@ def test_the_event_loop_plans_its_claim_again_once_the_table_grew(
 
 
 def test_the_store_plans_its_statements_again_once_the_table_grew(
-        db_url: str, pg: psycopg.Connection) -> None:
+        db_url: str, pg: psycopg.Connection, clock: Clock) -> None:
     store = store_for(db_url)
     consumer = uuid.uuid4()
 
@@ -86,7 +105,7 @@ def test_the_store_plans_its_statements_again_once_the_table_grew(
     try:
         assert "Seq Scan on jobs" in claim_plan(store.conn, prepared_claim())
         grow(pg)
-        time.sleep(INTERVAL)
+        clock.advance(INTERVAL)
         plan = claim_plan(store.conn, prepared_claim())
     finally:
         store.close()
@@ -94,7 +113,7 @@ def test_the_store_plans_its_statements_again_once_the_table_grew(
     assert "jobs_claim_idx" in plan, plan
 
 
-def test_statements_prepared_between_two_replans_still_run(db_url: str) -> None:
+def test_statements_prepared_between_two_replans_still_run(db_url: str, clock: Clock) -> None:
     """Only the plans go: the statements psycopg prepared stay usable. (Found when the first
     replan, with nothing prepared yet, made psycopg ignore the next one's DEALLOCATE ALL, and
     a publish failed: 'prepared statement "_pg3_0" does not exist'.)"""
@@ -103,7 +122,7 @@ def test_statements_prepared_between_two_replans_still_run(db_url: str) -> None:
     try:
         store.connect()
         for _ in range(2):
-            time.sleep(INTERVAL)  # a replan before any statement was prepared, then another
+            clock.advance(INTERVAL)  # a replan before any statement was prepared, then another
             for _ in range(7):  # psycopg prepares the claim at its 5th execution
                 assert store.claim("replan", 1, consumer) == []
     finally:

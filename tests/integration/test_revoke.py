@@ -25,11 +25,11 @@ from pgbroker._celery import inspect_scheduled as _scheduled
 from pgbroker.cli import main
 from pgbroker.ops import os_user
 from pgbroker.sweeper import Sweeper
-from tests.e2e.control_support import client_app
-from tests.integration.transport_support import connect, new_job, store_for
+from tests.support.control import client_app
+from tests.support.transport import connect, new_job, store_for
 from tests.support.db import jobs as rows
 
-TASK = "tests.e2e.app.touch"
+TASK = "tests.apps.e2e_app.touch"
 
 
 def revoke_audit(pg: psycopg.Connection) -> list[dict[str, Any]]:
@@ -244,7 +244,7 @@ def test_the_admin_job_page_shows_a_cancelled_by_revoke_job_with_its_audit_entry
         db_url: str, pg: psycopg.Connection) -> None:
     pytest.importorskip("flask")
     from pgbroker.admin import create_app
-    from tests.integration.admin_support import CREDS, csrf_of
+    from tests.support.admin import CREDS, csrf_of
 
     store = store_for(db_url)
     try:

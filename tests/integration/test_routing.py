@@ -19,7 +19,7 @@ import pgbroker
 from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper
 from tests.support.processes import wait_for
-from tests.integration.transport_support import (
+from tests.support.transport import (
     Collector,
     connect,
     counts,

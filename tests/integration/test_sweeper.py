@@ -14,7 +14,7 @@ import psycopg
 
 from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper, SweepResult
-from tests.integration.transport_support import new_job
+from tests.support.transport import new_job
 from tests.support.db import counts, db_now, jobs
 
 

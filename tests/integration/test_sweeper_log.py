@@ -15,7 +15,7 @@ import pytest
 
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job
-from tests.integration.transport_support import store_for
+from tests.support.transport import store_for
 
 
 def lost_consumer(pg: psycopg.Connection, host: str = "gone-host") -> uuid.UUID:

@@ -14,7 +14,7 @@ import psycopg
 
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job
-from tests.integration.transport_support import store_for
+from tests.support.transport import store_for
 
 
 def _consumer(pg: psycopg.Connection, server_started: str) -> uuid.UUID:

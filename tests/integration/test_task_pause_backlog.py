@@ -26,7 +26,7 @@ from pgbroker.migrate import MIGRATIONS, apply
 from pgbroker.ops import Operations
 from pgbroker.sweeper import Sweeper
 from tests.integration.test_sweeper_log import lost_consumer
-from tests.integration.transport_support import store_for
+from tests.support.transport import store_for
 from tests.support.db import add_job
 
 PAUSED, OTHER = "t.paused", "t.other"

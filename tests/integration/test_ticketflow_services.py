@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 import pgbroker
 import ticketflow
 from tests.support.processes import REPO_ROOT, wait_for
-from tests.integration.ticketflow_support import confirmed, held, jobs_of, rows, seats_taken
+from tests.support.tickets import confirmed, held, jobs_of, rows, seats_taken
 from ticketflow import db, gateway, services, tasks
 from ticketflow.models import Base
 

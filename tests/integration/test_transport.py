@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import kombu
 import psycopg
@@ -28,11 +28,11 @@ import pgbroker._celery.startup
 from pgbroker._model.claimed import after_params
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.store import Store
-from pgbroker.errors import DatabaseUnavailable, IdempotencyKeyRequired, MessageError
+from pgbroker.errors import IdempotencyKeyRequired, MessageError
 from pgbroker.sweeper import Sweeper, lock_class
-from pgbroker.transport import MAX_NAME_LENGTH, Transport
+from pgbroker.transport import MAX_NAME_LENGTH
 from tests.support.processes import wait_for
-from tests.integration.transport_support import (
+from tests.support.transport import (
     NO_POLL,
     Collector,
     age_consumer,
@@ -744,28 +744,6 @@ def test_malformed_row_goes_dead_and_the_consumer_keeps_going(
 
 
 # -- connections ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("password", [SECRET, pytest.param(
-    f"two words {SECRET}", id="with-a-space")])
-def test_establish_connection_to_a_dead_port_fails_at_once(password: str) -> None:
-    url = f"pgbroker://postgres:{quote(password, safe='')}@127.0.0.1:{free_port()}/nowhere"
-    conn = kombu.Connection(url, transport_options={"connect_timeout": 30})
-    started = time.monotonic()
-    with pytest.raises(Transport.connection_errors) as info:
-        conn.transport.establish_connection()
-    print(f"dead port reported after {time.monotonic() - started:.3f}s")
-    assert isinstance(info.value, DatabaseUnavailable)
-    assert SECRET not in str(info.value)
-    assert "**" in str(info.value)  # the message says where it tried, password masked
-    assert isinstance(info.value.__cause__, psycopg.OperationalError)
-    assert psycopg.OperationalError in Transport.connection_errors
-
-    # kombu's own retry wrapper sees a connection error and reraises it as its OperationalError
-    with pytest.raises(kombu.exceptions.OperationalError) as wrapped:
-        conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
-    assert SECRET not in str(wrapped.value)
-    conn.release()
-
 
 def test_as_uri_masks_the_password_of_a_live_connection(db_url: str) -> None:
     parts = urlsplit(db_url)

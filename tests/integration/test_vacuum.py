@@ -30,7 +30,7 @@ from pgbroker._consume.lease import Lease
 from pgbroker._pg.store import Store
 from pgbroker.metrics import MetricsReader, prometheus_registry
 from pgbroker.sweeper import Sweeper
-from tests.integration.transport_support import store_for
+from tests.support.transport import store_for
 from tests.support.db import db_now
 from tests.support.processes import Run, wait_for
 

@@ -9,7 +9,7 @@ import kombu
 import pytest
 
 import pgbroker  # noqa: F401 - registers pgbroker://
-from tests.integration.transport_support import free_port
+from tests.support.db import free_port
 from tests.kombu_suite import sdist
 
 

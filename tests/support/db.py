@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 __all__ = ["CHILD_KILLED", "CHILD_LOST", "LOST", "add_job", "add_jobs", "counts", "db_now",
-           "disk_full_when", "free_port", "jobs", "rows"]
+           "disk_full_when", "free_port", "job", "job_fields", "job_state", "jobs", "rows"]
 
 
 def db_now(pg: psycopg.Connection) -> datetime:
@@ -41,6 +41,32 @@ def jobs(pg: psycopg.Connection, where: str = "true", params: Any = None,
     with pg.cursor(row_factory=dict_row) as cur:
         return cur.execute(f'SELECT * FROM "{schema}".jobs WHERE {where} ORDER BY {order}',
                            params).fetchall()
+
+
+def job(pg: psycopg.Connection, task_id: str | None = None, *, id: Any = None) -> dict[str, Any]:
+    """The single job row of a Celery task id (or of a job ``id``), with the database's
+    ``now()`` as ``db_now``; fails unless exactly one row matches."""
+    column, value = ("task_id", task_id) if id is None else ("id", id)
+    found = rows(pg, f"SELECT *, now() AS db_now FROM pgbroker.jobs WHERE {column} = %s"
+                     " ORDER BY retries", value)
+    assert len(found) == 1, f"expected one job row for {column} {value}, found {len(found)}"
+    return found[0]
+
+
+def job_fields(pg: psycopg.Connection, *names: str, task_id: str | None = None,
+               id: Any = None) -> tuple[Any, ...] | None:
+    """Columns ``names`` of the job row of a Celery task id (or of a job ``id``), as a tuple;
+    None when there is no such row."""
+    column, value = ("task_id", task_id) if id is None else ("id", id)
+    return pg.execute(f"SELECT {', '.join(names)} FROM pgbroker.jobs WHERE {column} = %s",
+                      (value,)).fetchone()
+
+
+def job_state(pg: psycopg.Connection, task_id: str | None = None, *, id: Any = None) -> str | None:
+    """The state of the job row of a Celery task id (or of a job ``id``); None when there is
+    no such row."""
+    found = job_fields(pg, "state", task_id=task_id, id=id)
+    return found[0] if found else None
 
 
 def counts(pg: psycopg.Connection, schema: str = "pgbroker") -> Mapping[str, int]:

@@ -1,12 +1,14 @@
 """The fixtures more than one tier uses, loaded for every tier by ``tests/conftest.py``
 (``pytest_plugins``): no test module imports a fixture.
 
-* ``runs``, ``producer`` -- the e2e app (``tests/e2e/app.py``) publishing into this test's
+* ``runs``, ``producer`` -- the e2e app (``tests/apps/e2e_app.py``) publishing into this test's
   database, and its ``public.runs`` table: the e2e, chaos and some integration tests.
 * ``tf_url``, ``session``, ``event`` -- the ticketflow example on this test's database: its
   integration and e2e tests.
-* ``django_db`` -- the Django test project (``tests/django_project``) configured in this
+* ``django_db`` -- the Django test project (``tests/apps/django_project``) configured in this
   process, its ``default`` connection on this test's database: the Django tests.
+* ``cli`` -- ``pgbroker`` commands run in-process against this test's database: the integration
+  tests of the commands, and the e2e tests that drive real workers with them.
 
 The Celery apps are imported by the fixtures that use them, not here: importing a Celery app
 makes it Celery's current app, which a test that never asked for it must not see.
@@ -22,6 +24,7 @@ import pytest
 from celery import Celery, current_app
 from psycopg.conninfo import conninfo_to_dict
 
+from tests.support.processes import Run
 from tests.support.producers import drop_pools, point_producer
 
 if TYPE_CHECKING:
@@ -29,9 +32,23 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture
+def cli(db_url: str, capsys: pytest.CaptureFixture[str]) -> Run:
+    """``cli("stats", "--json")`` -> (exit status, stdout, stderr), against the test database."""
+    from pgbroker.cli import main  # the commands: loaded by the tests that run them
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["--database-url", db_url, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
 def runs(pg: psycopg.Connection) -> psycopg.Connection:
     """The test database with ``public.runs`` (one row per task run) created; returns ``pg``."""
-    from tests.e2e import app as e2e  # see the module docstring: the current app
+    from tests.apps import e2e_app as e2e  # see the module docstring: the current app
 
     pg.execute(e2e.RUNS_DDL)
     return pg
@@ -39,8 +56,9 @@ def runs(pg: psycopg.Connection) -> psycopg.Connection:
 
 @pytest.fixture
 def producer(broker_url: str, runs: psycopg.Connection) -> Iterator[Celery]:
-    """``tests.e2e.app.app`` publishing into this test's database (default transport options)."""
-    from tests.e2e import app as e2e  # see the module docstring: the current app
+    """``tests.apps.e2e_app.app`` publishing into this test's database (default transport
+    options)."""
+    from tests.apps import e2e_app as e2e  # see the module docstring: the current app
 
     point_producer(e2e.app, broker_url)
     # Connect now, so a test's first publish is not slowed by connecting (and checking the
@@ -101,7 +119,7 @@ def _setup_django() -> None:
     from django.conf import settings
 
     if not settings.configured:
-        from tests.django_project import settings as project
+        from tests.apps.django_project import settings as project
 
         settings.configure(**{k: getattr(project, k) for k in dir(project) if k.isupper()})
         django.setup()

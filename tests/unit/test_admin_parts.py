@@ -12,7 +12,7 @@ import pytest
 from pgbroker.admin.auth import OPERATOR, Credentials, Login, LoginThrottle, is_loopback
 from pgbroker.admin.stats import Histogram, window
 from pgbroker.errors import ConfigurationError
-from tests.integration.admin_support import CREDS
+from tests.support.admin import CREDS
 
 
 def test_credentials_and_loopback() -> None:

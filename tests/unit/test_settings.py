@@ -176,3 +176,11 @@ def test_boolean_options_refuse_non_booleans(option: str, value: object) -> None
     # the string 'false' from an environment variable must not silently mean True
     with pytest.raises(ConfigurationError, match=f"{option} must be true or false"):
         Settings.from_options({option: value})
+
+
+def test_pause_task_after_is_checked() -> None:
+    assert Settings().pause_task_after == 5
+    assert Settings.from_options({"pause_task_after": 0}).pause_task_after == 0
+    for bad in (-1, "5", 2.5, True):
+        with pytest.raises(ConfigurationError, match="pause_task_after"):
+            Settings(pause_task_after=bad)

@@ -16,7 +16,7 @@ from django_tasks.exceptions import TaskResultDoesNotExist
 
 from pgbroker import testing
 from pgbroker.contrib.django.tasks import TASK_NAME
-from tests.django_project.celery import app
+from tests.apps.django_project.celery import app
 from tests.support.processes import wait_for
 
 from .jobs import confirm, urgent
@@ -33,7 +33,7 @@ class BackendTestCase(TestCase):
         result = urgent.using(run_after=later).enqueue("hi")
         [job] = testing.enqueued(connection, TASK_NAME, app=app)
         self.assertEqual((job.queue, job.priority, job.state), ("urgent", 150, "scheduled"))
-        self.assertEqual(job.args, ["tests.django_project.shop.jobs.urgent", ["hi"], {}])
+        self.assertEqual(job.args, ["tests.apps.django_project.shop.jobs.urgent", ["hi"], {}])
         self.assertGreaterEqual(job.run_at, later - timedelta(seconds=1))
         found = urgent.get_result(result.id)
         self.assertEqual((found.status, found.args), (TaskResultStatus.READY, ["hi"]))

@@ -9,7 +9,7 @@ from django.test import TestCase
 
 from pgbroker import testing
 from pgbroker.contrib import django as pgdjango
-from tests.django_project.celery import app
+from tests.apps.django_project.celery import app
 
 from .models import Order
 from .tasks import confirm_order

@@ -1,9 +1,9 @@
 """The Celery app of the result-backend tests: pgbroker as broker AND as result backend.
 
-``celery -A tests.e2e.results_app worker`` builds it from ``PGBROKER_TEST_BROKER_URL``; a test
+``celery -A tests.apps.results_app worker`` builds it from ``PGBROKER_TEST_BROKER_URL``; a test
 builds its own producer with :func:`make_app` pointed at its database. Both register the same
-task names (``tests.e2e.results_app.<function>``). Runs are recorded in ``public.runs`` (the
-helpers of ``tests/e2e/app.py``), so a test counts callback runs with SQL.
+task names (``tests.apps.results_app.<function>``). Runs are recorded in ``public.runs`` (the
+helpers of ``tests/apps/e2e_app.py``), so a test counts callback runs with SQL.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any
 from celery import Celery, group
 
 import pgbroker  # noqa: F401 - registers pgbroker://
-from tests.e2e.app import record
+from tests.apps.e2e_app import record
 
 
 class Boom(Exception):
     """What ``fail`` raises."""
 
 
-NAME = "tests.e2e.results_app."
+NAME = "tests.apps.results_app."
 
 
 # Plain functions, registered on each app by make_app (the same callable under the same name,

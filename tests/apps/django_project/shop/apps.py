@@ -2,5 +2,5 @@ from django.apps import AppConfig
 
 
 class ShopConfig(AppConfig):
-    name = "tests.django_project.shop"
+    name = "tests.apps.django_project.shop"
     label = "shop"

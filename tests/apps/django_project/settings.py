@@ -16,13 +16,13 @@ SECRET_KEY = "pgbroker-tests-only"
 DEBUG = False
 USE_TZ = True
 INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "django.contrib.sessions",
-                  "pgbroker.contrib.django", "tests.django_project.shop"]
+                  "pgbroker.contrib.django", "tests.apps.django_project.shop"]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
 ]
-ROOT_URLCONF = "tests.django_project.urls"  # pgbroker's operator page, behind Django's login
+ROOT_URLCONF = "tests.apps.django_project.urls"  # pgbroker's operator page, behind Django's login
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DATABASES = {
     "default": {

@@ -78,7 +78,7 @@ def add(self, x: int, y: int) -> int:
 @app.task(bind=True)
 def nap(self, key: str, seconds: float) -> str:
     record(self, key)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the task's body: a task that runs this long
     record(self, key + ":done")
     return key
 

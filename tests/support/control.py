@@ -19,7 +19,7 @@ from celery import Celery
 from celery.utils.nodenames import gethostname
 
 from tests.support import processes as helpers
-from tests.e2e.support import start_worker
+from tests.support.workers import start_worker
 from tests.support.producers import drop_pools
 from tests.support.processes import REPO_ROOT, CeleryProcess, WorkerProcess, wait_for
 
@@ -40,8 +40,8 @@ def node(worker: WorkerProcess) -> str:
 
 
 def start_workers(broker_url: str, *argsets: tuple[str, ...]) -> list[WorkerProcess]:
-    """Start one ``tests.e2e.app`` worker per tuple of arguments, all at once; wait until each is
-    ready (its remote-control mailbox is then consumed)."""
+    """Start one ``tests.apps.e2e_app`` worker per tuple of arguments, all at once; wait until
+    each is ready (its remote-control mailbox is then consumed)."""
     workers = [start_worker(broker_url, *args, ready=False) for args in argsets]
     for worker in workers:
         worker.wait_ready(90)
@@ -50,21 +50,22 @@ def start_workers(broker_url: str, *argsets: tuple[str, ...]) -> list[WorkerProc
 
 def start_celery(broker_url: str, name: str, *args: str, log_dir: Path,
                  env: dict[str, str] | None = None) -> CeleryProcess:
-    """``python -m celery -A tests.e2e.app ARGS`` in the background (stopped by the autouse
+    """``python -m celery -A tests.apps.e2e_app ARGS`` in the background (stopped by the autouse
     fixture of tests/conftest.py at the end of the test)."""
-    argv = [sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args]
+    argv = [sys.executable, "-m", "celery", "-A", "tests.apps.e2e_app", *args]
     log_dir.mkdir(parents=True, exist_ok=True)
     return CeleryProcess(argv, helpers._env(broker_url, env), log_dir / f"{name}.log", name)
 
 
 def celery_cli(broker_url: str, *args: str, env: dict[str, str] | None = None,
                check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m celery -A tests.e2e.app ARGS`` against ``broker_url``; return it finished.
+    """Run ``python -m celery -A tests.apps.e2e_app ARGS`` against ``broker_url``; return it
+    finished.
 
     Raises:
         AssertionError: ``check`` and it exited non-zero (with its output).
     """
-    argv = [sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args]
+    argv = [sys.executable, "-m", "celery", "-A", "tests.apps.e2e_app", *args]
     done = subprocess.run(argv, check=False, cwd=REPO_ROOT, env=helpers._env(broker_url, env),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     if check and done.returncode != 0:
@@ -84,8 +85,9 @@ def cli_json(broker_url: str, *args: str) -> dict[str, Any]:
 
 @contextmanager
 def client_app(broker_url: str, **conf: Any) -> Iterator[Celery]:
-    """A Celery app of its own (not ``tests.e2e.app``) for remote control from the test process,
-    with ``conf`` applied; its connections are closed on exit, as when ``celery inspect`` exits."""
+    """A Celery app of its own (not ``tests.apps.e2e_app``) for remote control from the test
+    process, with ``conf`` applied; its connections are closed on exit, as when ``celery
+    inspect`` exits."""
     app = Celery("rc-client", broker=broker_url, set_as_current=False)
     app.conf.update(broker_connection_retry_on_startup=True, **conf)
     try:

@@ -3,7 +3,8 @@ token, and history -- finished jobs made with ``generate_series``, as the transp
 (a UUIDv7 id of their creation time, the claim's time in ``locked_at``, Celery's ``argsrepr``
 header), spread over a span of time ending now -- for the tests, screenshots and benchmark.
 
-The ``app`` and ``client`` fixtures are in tests/integration/conftest.py.
+The ``app`` and ``client`` fixtures are in tests/integration/conftest.py; the unit, e2e and bench
+tiers use these helpers too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Helpers shared by the kombu-level integration and conformance tests (no Celery worker).
+"""Helpers shared by the kombu-level tests (no Celery worker): the integration and conformance
+tiers.
 
 They drive kombu directly against the test's fresh database (``broker_url`` / ``db_url`` / ``pg``
 fixtures of tests/conftest.py) and read the outcome from the ``jobs`` table with SQL.

@@ -8,7 +8,7 @@ from celery import Celery
 
 import pgbroker  # noqa: F401 - registers pgbroker://
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_project.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.apps.django_project.settings")
 
 app = Celery("django_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -35,7 +35,7 @@ def noop(n: int) -> int:
 def record(n: int, pause: float = 0.0) -> int:
     """The soak's task (tests/chaos/test_django_tasks_kills.py): a row per run, in
     ``public.soak_runs``, so duplicates are counted with SQL."""
-    time.sleep(pause)
+    time.sleep(pause)  # the task's body: a task that takes this long
     with connection.cursor() as cursor:
         cursor.execute("INSERT INTO public.soak_runs (n, pid) VALUES (%s, %s)", (n, os.getpid()))
     return n

@@ -1,6 +1,6 @@
 """The Celery app of the beat end-to-end tests: one 1-second entry, pgbroker's scheduler.
 
-``celery -A tests.e2e.beat_app beat`` uses ``pgbroker.beat:Scheduler`` from the config (no ``-S``
+``celery -A tests.apps.beat_app beat`` uses ``pgbroker.beat:Scheduler`` from the config (no ``-S``
 needed); the entry's options come from ``PGBROKER_TEST_BEAT_OPTIONS`` (JSON, default
 ``{"overlap": "allow"}``, so that jobs nobody consumes never hold occurrences back). The task
 records the occurrence it was fired for, read from ``self.request``, in ``public.runs``.
@@ -14,9 +14,9 @@ import os
 from celery import Celery
 
 import pgbroker  # noqa: F401 - registers pgbroker://
-from tests.e2e.app import BROKER_URL, record
+from tests.apps.e2e_app import BROKER_URL, record
 
-TICK = "tests.e2e.beat_app.tick"
+TICK = "tests.apps.beat_app.tick"
 
 app = Celery("beatapp", broker=BROKER_URL)
 app.conf.update(

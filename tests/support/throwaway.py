@@ -1,4 +1,5 @@
-"""A throwaway PostgreSQL server that a chaos test may restart, crash or cut off.
+"""A throwaway PostgreSQL server that a test may restart, crash or cut off (the chaos scenarios,
+the bench's pressure runs, the integration tests that need a server configured otherwise).
 
 The shared server of the test session (127.0.0.1:5432) is used by every other test, so the
 scenarios that stop the server start one of their own: ``initdb`` into a temporary directory,

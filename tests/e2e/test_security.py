@@ -37,9 +37,9 @@ from psycopg import sql
 import pgbroker
 from pgbroker.migrate import MIGRATIONS, migrate
 from tests.support.databases import create_database, drop_database
-from tests.e2e import app as e2e
-from tests.e2e import keys_app
-from tests.e2e.support import job, start_worker, wait_state
+from tests.apps import e2e_app as e2e
+from tests.apps import keys_app
+from tests.support.workers import job, start_worker, wait_state
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import REPO_ROOT, run_worker, wait_for
 
@@ -65,10 +65,10 @@ def with_password(url: str, password: str = SECRET) -> str:
 
 
 def celery_cli(broker_url: str, *args: str) -> str:
-    """Run ``celery -A tests.e2e.app <args>`` against ``broker_url``; stdout + stderr."""
+    """Run ``celery -A tests.apps.e2e_app <args>`` against ``broker_url``; stdout + stderr."""
     env = {**os.environ, "PGBROKER_TEST_BROKER_URL": broker_url,
            "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args],
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.e2e_app", *args],
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env,
                           check=False)
     return done.stdout + done.stderr
@@ -139,7 +139,7 @@ def test_notifications_carry_no_message_body_or_argument(
 def test_password_never_in_worker_log_banner_or_inspect_output(
         runs: psycopg.Connection, db_url: str) -> None:
     secret_url = "pgbroker+" + with_password(db_url)
-    worker = run_worker("tests.e2e.app", secret_url, "--loglevel=DEBUG", "-E").wait_ready(60)
+    worker = run_worker("tests.apps.e2e_app", secret_url, "--loglevel=DEBUG", "-E").wait_ready(60)
     point_producer(e2e.app, secret_url)
     try:
         result = e2e.touch.delay("with-a-password")
@@ -161,7 +161,7 @@ def test_password_never_in_worker_log_banner_or_inspect_output(
 
 def test_password_never_in_a_workers_connection_errors(db_url: str) -> None:
     wrong_db = urlunsplit(urlsplit(with_password(db_url))._replace(path="/pgbroker_nowhere"))
-    worker = run_worker("tests.e2e.app", "pgbroker+" + wrong_db, "--loglevel=DEBUG")
+    worker = run_worker("tests.apps.e2e_app", "pgbroker+" + wrong_db, "--loglevel=DEBUG")
     worker.wait_for_log('database "pgbroker_nowhere" does not exist', timeout=60)
     worker.stop()
     assert SECRET not in worker.log_path.read_text(errors="replace")
@@ -170,7 +170,7 @@ def test_password_never_in_a_workers_connection_errors(db_url: str) -> None:
 # -- least privilege -------------------------------------------------------------------------------
 
 def _psql() -> str | None:
-    from tests.chaos.pgserver_fixture import find_bindir
+    from tests.support.throwaway import find_bindir
 
     bindir = find_bindir()
     found = shutil.which("psql") or (str(bindir / "psql") if bindir else None)
@@ -239,7 +239,7 @@ def test_least_privilege_roles_run_a_worker_and_a_producer_without_ddl(
 
     options = {"auto_migrate": False}
     broker = "pgbroker+" + app_url
-    worker = run_worker("tests.e2e.app", broker, env={
+    worker = run_worker("tests.apps.e2e_app", broker, env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
     point_producer(e2e.app, broker, options)
     try:
@@ -309,7 +309,7 @@ def test_a_producer_role_enqueues_but_reads_no_body_and_changes_no_job(
     that runs the jobs; neither may act as an operator."""
     producer_url, worker_url = split_roles(roles, e2e.RUNS_DDL, "runs", "SELECT, INSERT")
     options = {"auto_migrate": False}
-    worker = run_worker("tests.e2e.app", "pgbroker+" + worker_url, env={
+    worker = run_worker("tests.apps.e2e_app", "pgbroker+" + worker_url, env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
     point_producer(e2e.app, "pgbroker+" + producer_url, options)
     try:
@@ -396,7 +396,7 @@ def test_no_producer_can_change_a_dedupe_key_and_dedupe_still_works_for_both_rol
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(statement)
     options = {"auto_migrate": False}
-    worker = run_worker("tests.e2e.keys_app", "pgbroker+" + urls["worker"], env={
+    worker = run_worker("tests.apps.keys_app", "pgbroker+" + urls["worker"], env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(options)}).wait_ready(60)
     admin = psycopg.connect(roles["url"], autocommit=True)
 
@@ -469,7 +469,7 @@ def test_two_applications_in_two_schemas_never_see_each_others_jobs(
     other.conf.broker_transport_options = other_options
     try:
         my_keys = [e2e.touch.delay(f"mine-{i}").id for i in range(20)]
-        their_keys = [other.send_task("tests.e2e.app.touch", args=(f"theirs-{i}",)).id
+        their_keys = [other.send_task("tests.apps.e2e_app.touch", args=(f"theirs-{i}",)).id
                       for i in range(20)]
         for schema, ids in (("pgbroker", my_keys), ("other_app", their_keys)):
             wait_for(lambda s=schema, i=ids: runs.execute(

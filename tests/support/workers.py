@@ -1,6 +1,8 @@
-"""Workers and SQL look-ups shared by the end-to-end and chaos tests (real ``celery worker``s).
+"""Workers and SQL look-ups shared by the tests that run real ``celery worker``s (the e2e and
+chaos tiers). A job's row is read with :mod:`tests.support.db` (:func:`job` is here too, for
+the tests that import it with the rest).
 
-Their fixtures (``runs``, ``producer``: ``tests.e2e.app.app`` pointed at the test's database)
+Their fixtures (``runs``, ``producer``: ``tests.apps.e2e_app.app`` pointed at the test's database)
 are in :mod:`tests.support.fixtures`, loaded for every tier. Every figure a test reads (run
 times, latencies) comes from the database clock.
 """
@@ -16,6 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from tests.support.db import counts as jobs_by_state
+from tests.support.db import job
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 __all__ = [
@@ -34,7 +37,7 @@ SHORT_LEASE = {"lease_timeout": 3, "heartbeat_interval": 1, "sweep_interval": 1}
 
 
 def start_worker(broker_url: str, *args: str, options: Mapping[str, Any] | None = None,
-                 ready: bool = True, app: str = "tests.e2e.app") -> WorkerProcess:
+                 ready: bool = True, app: str = "tests.apps.e2e_app") -> WorkerProcess:
     """A ``celery worker`` of ``app`` (``-c 2`` unless ``args`` says otherwise) with these
     transport options; waits for its ``ready.`` line unless ``ready`` is False."""
     env = {"PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps(dict(options))} if options else None
@@ -46,15 +49,6 @@ def key_runs(pg: psycopg.Connection, key: str) -> list[dict[str, Any]]:
     """The runs recorded under ``key``, oldest first."""
     return pg.cursor(row_factory=dict_row).execute(
         "SELECT * FROM public.runs WHERE key = %s ORDER BY n", (key,)).fetchall()
-
-
-def job(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:
-    """The (single) job row of a Celery task id, with the database's ``now()`` as ``db_now``."""
-    rows = pg.cursor(row_factory=dict_row).execute(
-        "SELECT *, now() AS db_now FROM pgbroker.jobs WHERE task_id = %s ORDER BY retries",
-        (task_id,)).fetchall()
-    assert len(rows) == 1, f"expected one job row for task id {task_id}, found {len(rows)}"
-    return rows[0]
 
 
 def wait_state(pg: psycopg.Connection, task_id: str, state: str,

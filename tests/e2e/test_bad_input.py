@@ -9,7 +9,7 @@ of its own and checks that the worker still runs a task afterwards.
 Covered elsewhere (not repeated here): queue names with quotes, SQL, unicode, NUL bytes and
 overlong names (tests/integration/test_transport.py ``test_queue_names_are_data_*``,
 ``test_invalid_queue_names_*``), an undecodable body and a malformed row with a real worker
-(tests/e2e/test_worker.py), a dead port (test_transport.py
+(tests/e2e/test_worker.py), a dead port (tests/unit/test_transport_errors.py
 ``test_establish_connection_to_a_dead_port_fails_at_once``), a missing or newer schema through
 kombu (tests/integration/test_migrate.py).
 """
@@ -30,17 +30,17 @@ import kombu
 import psycopg
 import pytest
 from celery import Celery
-from psycopg.rows import dict_row
 
 from pgbroker._pg.local_server import admin_url
 from pgbroker.errors import DatabaseUnavailable, MessageError
 from pgbroker.transport import MAX_NAME_LENGTH
-from tests.chaos.pgserver_fixture import throwaway_server
+from tests.support.throwaway import throwaway_server
 from tests.support.databases import create_database, drop_database
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import WorkerProcess, run_worker, wait_for
-from tests.integration.transport_support import Collector, connect, jobs
+from tests.support.transport import Collector, connect, jobs
+from tests.support.workers import job, wait_state
 
 SECRET = "n0t-in-any-message"
 _names = itertools.count(1)
@@ -70,10 +70,10 @@ def shared_pg(shared_url: str) -> Iterator[psycopg.Connection]:
 
 @pytest.fixture(scope="module")
 def worker(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """One ``celery worker`` of tests.e2e.app (accept_content: Celery's default, json only),
+    """One ``celery worker`` of tests.apps.e2e_app (accept_content: Celery's default, json only),
     with ``e2e.app`` publishing to the same database."""
     point_producer(e2e.app, "pgbroker+" + shared_url)
-    proc = run_worker("tests.e2e.app", "pgbroker+" + shared_url,
+    proc = run_worker("tests.apps.e2e_app", "pgbroker+" + shared_url,
                       log_dir=tmp_path_factory.mktemp("bad-input-worker"))
     try:
         yield proc.wait_ready(60)
@@ -82,28 +82,17 @@ def worker(shared_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         drop_pools(e2e.app)
 
 
-def row(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:
-    [found] = pg.cursor(row_factory=dict_row).execute(
-        "SELECT * FROM pgbroker.jobs WHERE task_id = %s", (task_id,)).fetchall()
-    return found
-
-
-def wait_dead(pg: psycopg.Connection, task_id: str) -> dict[str, Any]:
-    return wait_for(lambda: (r := row(pg, task_id))["state"] == "dead" and r, 60, interval=0.1,
-                    message=lambda: f"job {task_id} dead (it is {row(pg, task_id)['state']})")
-
-
 def still_works(pg: psycopg.Connection, worker: WorkerProcess) -> None:
     """The worker is alive and runs the next task."""
     key = f"still-{uuid.uuid4()}"
     result = e2e.touch.delay(key)
-    wait_for(lambda: row(pg, result.id)["state"] == "completed", 60, interval=0.1,
+    wait_for(lambda: job(pg, result.id)["state"] == "completed", 60, interval=0.1,
              message=f"the follow-up task {key}")
     assert worker.is_alive()
 
 
 def publish_raw(pg_url: str, task_id: str, body: bytes, content_type: str,
-                content_encoding: str = "binary", serializer_task: str = "tests.e2e.app.touch"
+                content_encoding: str = "binary", serializer_task: str = "tests.apps.e2e_app.touch"
                 ) -> None:
     """A Celery-shaped message with an arbitrary body and content type, through kombu."""
     headers = {"task": serializer_task, "id": task_id, "lang": "py", "argsrepr": "()",
@@ -120,7 +109,7 @@ def test_unknown_content_type_goes_dead_with_the_reason(
         worker: WorkerProcess, shared_url: str, shared_pg: psycopg.Connection) -> None:
     task_id = f"ctype-{uuid.uuid4()}"
     publish_raw(shared_url, task_id, b"\x00\x01 not for you", "application/x-made-up")
-    dead = wait_dead(shared_pg, task_id)
+    dead = wait_state(shared_pg, task_id, "dead")
     assert "application/x-made-up" in dead["last_error"], dead["last_error"]
     assert dead["attempts"] == 1  # not retried in a loop
     still_works(shared_pg, worker)
@@ -144,7 +133,7 @@ def test_pickle_is_refused_when_only_json_is_accepted_and_never_unpickled(
     body = pickle.dumps(((_Tripwire(tripwire),), {}, {}))
     publish_raw(shared_url, task_id, body, "application/x-python-serialize")
 
-    dead = wait_dead(shared_pg, task_id)
+    dead = wait_state(shared_pg, task_id, "dead")
     assert "application/x-python-serialize" in dead["last_error"], dead["last_error"]
     assert "ContentDisallowed" in dead["last_error"], dead["last_error"]
     assert not tripwire.exists(), "the worker unpickled a message"
@@ -155,7 +144,7 @@ def test_pickle_is_refused_when_only_json_is_accepted_and_never_unpickled(
 def test_celery_pickle_serializer_is_refused_by_the_worker(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
     result = e2e.touch.apply_async(("pickled",), serializer="pickle")
-    dead = wait_dead(shared_pg, result.id)
+    dead = wait_state(shared_pg, result.id, "dead")
     assert "pickle" in dead["last_error"] or "python-serialize" in dead["last_error"]
     assert not shared_pg.execute("SELECT count(*) FROM public.runs WHERE key = 'pickled'"
                                  ).fetchone()[0]
@@ -164,8 +153,8 @@ def test_celery_pickle_serializer_is_refused_by_the_worker(
 
 def test_task_name_no_worker_knows_goes_dead(worker: WorkerProcess,
                                              shared_pg: psycopg.Connection) -> None:
-    result = e2e.app.send_task("tests.e2e.app.nobody_knows_me", args=("x",))
-    dead = wait_dead(shared_pg, result.id)
+    result = e2e.app.send_task("tests.apps.e2e_app.nobody_knows_me", args=("x",))
+    dead = wait_state(shared_pg, result.id, "dead")
     assert dead["last_error"], dead  # which reason: see the test below
     assert dead["attempts"] == 1
     assert "nobody_knows_me" in worker.log()  # Celery says which name it did not know
@@ -174,18 +163,18 @@ def test_task_name_no_worker_knows_goes_dead(worker: WorkerProcess,
 
 def test_task_name_no_worker_knows_is_named_in_last_error(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
-    result = e2e.app.send_task("tests.e2e.app.also_unknown", args=("x",))
-    wait_dead(shared_pg, result.id)
+    result = e2e.app.send_task("tests.apps.e2e_app.also_unknown", args=("x",))
+    wait_state(shared_pg, result.id, "dead")
     # Celery rejects the message first (dead, "rejected by the consumer") and only then sends
     # task_unknown, whose hook writes the reason: wait for that second write.
-    wait_for(lambda: "also_unknown" in (row(shared_pg, result.id)["last_error"] or ""), 30,
-             interval=0.1, message=lambda: f"the task's name in {row(shared_pg, result.id)}")
+    wait_for(lambda: "also_unknown" in (job(shared_pg, result.id)["last_error"] or ""), 30,
+             interval=0.1, message=lambda: f"the task's name in {job(shared_pg, result.id)}")
 
 
 def test_wrong_argument_types_end_dead_with_the_type_error(
         worker: WorkerProcess, shared_pg: psycopg.Connection) -> None:
     result = e2e.add.delay("one", None)  # the right number of arguments, of the wrong types
-    dead = wait_dead(shared_pg, result.id)
+    dead = wait_state(shared_pg, result.id, "dead")
     assert dead["last_error"].startswith("TypeError"), dead["last_error"]
     assert "Traceback" in dead["last_traceback"]
     still_works(shared_pg, worker)
@@ -208,8 +197,8 @@ def test_payload_over_max_message_size_is_refused_at_publish(
     size = limit or 16 * 1024 * 1024
     try:
         with pytest.raises(MessageError, match=rf"limit \(max_message_size\) is {size}"):
-            app.send_task("tests.e2e.app.touch", args=("x" * size,))
-        app.send_task("tests.e2e.app.touch", args=("x" * (size // 2),))  # under it: accepted
+            app.send_task("tests.apps.e2e_app.touch", args=("x" * size,))
+        app.send_task("tests.apps.e2e_app.touch", args=("x" * (size // 2),))  # under it: accepted
     finally:
         app.close()
     assert [r["state"] for r in jobs(pg)] == ["pending"]
@@ -344,7 +333,7 @@ def test_a_worker_on_a_missing_or_newer_schema_says_what_to_do(
         pg.execute("DROP SCHEMA pgbroker CASCADE")
     else:
         pg.execute("INSERT INTO pgbroker.migrations (version, name) VALUES (999, 'future')")
-    worker = run_worker("tests.e2e.app", broker_url, env={
+    worker = run_worker("tests.apps.e2e_app", broker_url, env={
         "PGBROKER_TEST_TRANSPORT_OPTIONS": json.dumps({"auto_migrate": False})})
     wait_for(lambda: says in worker.log() or not worker.is_alive(), 60, interval=0.2,
              message=lambda: f"{says!r} in the worker's log:\n{worker.log()[-2000:]}")

@@ -1,7 +1,7 @@
 """Django's own test cases over pgbroker, run by ``manage.py test`` (Django's runner, its test
 database made by ``migrate``): ``tests/django_app/test_django_runner.py`` runs them with
-``DJANGO_SETTINGS_MODULE=tests.django_project.settings_atomic`` (the broker on Django's database,
-``PGBROKER_JOIN_ATOMIC = True``).
+``DJANGO_SETTINGS_MODULE=tests.apps.django_project.settings_atomic`` (the broker on Django's
+database, ``PGBROKER_JOIN_ATOMIC = True``).
 
 ``TestCase`` wraps each test in a transaction it rolls back, so its jobs are seen on Django's
 connection only (``pgbroker.testing``); ``TransactionTestCase`` commits, and a real worker runs
@@ -20,7 +20,7 @@ from django.test import TestCase, TransactionTestCase
 
 from pgbroker import testing
 from pgbroker._pg.django_db import alias_conninfo
-from tests.django_project.celery import app
+from tests.apps.django_project.celery import app
 from tests.support.processes import WorkerProcess, run_worker, wait_for
 
 from .models import Order
@@ -53,8 +53,8 @@ def worker_on_test_database() -> Iterator[WorkerProcess]:
     """A real worker of the project, on the test database, stopped when the block ends."""
     db = connection.settings_dict
     url = f"pgbroker+postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    worker = run_worker("tests.django_project.celery", url,
-                        env={"DJANGO_SETTINGS_MODULE": "tests.django_project.settings_atomic"})
+    worker = run_worker("tests.apps.django_project.celery", url,
+                        env={"DJANGO_SETTINGS_MODULE": "tests.apps.django_project.settings_atomic"})
     try:
         yield worker.wait_ready(60)
     finally:

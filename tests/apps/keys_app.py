@@ -13,7 +13,7 @@ import time
 
 from celery import Celery
 
-from tests.e2e import app as e2e
+from tests.apps import e2e_app as e2e
 
 app = Celery("keysapp", broker=e2e.BROKER_URL)
 # e2e's configuration: task_acks_late above all -- a job is 'running' until its ack, and
@@ -53,7 +53,7 @@ def _end(n: int) -> None:
 @app.task(bind=True, name="keys.sync")
 def sync(self, arg: str, seconds: float = 0.0) -> str:
     n = _start(self, arg)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the task's body: a task that runs this long
     _end(n)
     return arg
 
@@ -62,7 +62,7 @@ def sync(self, arg: str, seconds: float = 0.0) -> str:
 def early(self, arg: str, seconds: float = 0.0) -> str:
     """Acked on receipt, against the advice: a concurrency key is freed before it runs."""
     n = _start(self, arg)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the task's body: a task that runs this long
     _end(n)
     return arg
 
@@ -76,7 +76,7 @@ def plain(self, arg: str) -> str:
 @app.task(bind=True, name="keys.flaky", max_retries=3)
 def flaky(self, arg: str, failures: int, seconds: float = 0.0) -> str:
     n = _start(self, arg)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the task's body: a task that runs this long
     _end(n)
     if self.request.retries < failures:
         raise self.retry(countdown=1)
