@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kombu.transport import resolve_transport
+from kombu.transport import TRANSPORT_ALIASES, resolve_transport
 
 from .._pg import driver as _db
 from ..errors import ConfigurationError
@@ -22,10 +22,12 @@ __all__ = ["Broker", "broker_of", "find", "settings_of"]
 
 @dataclass(frozen=True)
 class Broker:
-    """A pgbroker broker: the libpq connection string and the settings of its options."""
+    """A pgbroker broker: the libpq connection string, the URL to show (its password masked)
+    and the settings of its options."""
 
     conninfo: str
     settings: Settings
+    shown: str
 
 
 def _client(app: Any, required: bool, name: str | None = None) -> Any:
@@ -34,16 +36,28 @@ def _client(app: Any, required: bool, name: str | None = None) -> Any:
     name = name or app.main
     try:
         conn = app.connection_for_write()  # no I/O: kombu only parses the URL
-        transport_cls = resolve_transport(conn.transport_cls)
+        transport, transport_cls = conn.transport_cls, resolve_transport(conn.transport_cls)
     except Exception as exc:  # noqa: BLE001 - e.g. the client library of another broker
-        raise ConfigurationError(f"cannot tell the broker of the Celery app {name!r}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        transport = _other_broker(app)
+        if transport is None:
+            raise ConfigurationError(f"cannot tell the broker of the Celery app {name!r}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        conn = transport_cls = None
     if isinstance(transport_cls, type) and issubclass(transport_cls, Transport):
         return conn
     if required:
-        raise ConfigurationError(f"the Celery app {name!r} uses the {conn.transport_cls!r} "
-                                 "broker, not pgbroker (broker_url = 'pgbroker://user@host/db')")
+        raise ConfigurationError(f"the Celery app {name!r} uses the {transport!r} broker, not "
+                                 "pgbroker (broker_url = 'pgbroker://user@host/db')")
     return None
+
+
+def _other_broker(app: Any) -> str | None:
+    """The scheme of ``app``'s broker URL if kombu knows it as another broker's (whose client
+    library may be missing: kombu then cannot even parse the URL), else None."""
+    url = str(app.conf.broker_write_url or app.conf.broker_url or "amqp://")
+    scheme = url.partition("://")[0].partition("+")[0]  # redis+socket:// -> redis
+    target = TRANSPORT_ALIASES.get(scheme)
+    return scheme if isinstance(target, str) and not target.startswith("pgbroker.") else None
 
 
 def settings_of(app: Any) -> Settings:
@@ -78,4 +92,4 @@ def _broker(conn: Any) -> Broker:
     settings = Settings.from_options(conn.transport_options)
     # the URL's parsing is the transport's own (a libpq URL after "pgbroker+", the password
     # kept out of what kombu prints)
-    return Broker(_db.kombu_conninfo(conn), settings)
+    return Broker(_db.kombu_conninfo(conn), settings, _db.libpq_url(conn.as_uri()))

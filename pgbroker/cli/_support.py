@@ -120,7 +120,7 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
         raise ConfigurationError(f"cannot load the Celery app {name!r}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     broker = broker_of(app, name)
-    return broker.conninfo, _db.mask_password(broker.conninfo), broker.settings
+    return broker.conninfo, broker.shown, broker.settings
 
 
 def url_of(args: argparse.Namespace) -> str:
