@@ -315,7 +315,8 @@ class Consumer:
         self.in_flight = (channel, queue, want)
         return True
 
-    def _claimed(self, channel: Any, queue: str, want: int, rows: Claimed) -> None:
+    def _claimed(self, channel: Any, queue: str, want: int,
+                 rows: Claimed | list[JobRow]) -> None:  # a plain list: a claim that failed
         """Hand over the rows of a claim sent by :meth:`_send_claim`."""
         self.hand_over_rows(channel, queue, channel.claims.took(queue, rows, want))
         channel.claims.claimed(bool(rows), len(rows) >= want)

@@ -104,7 +104,7 @@ class Sweeper:
         keys = self._step("concurrency key pruning",
                           lambda: store.prune_concurrency_keys(now=now), 0)
         vacuumed = self._step("vacuum", lambda: self.vacuum.run_once(store.conn), 0)
-        self._step("horizon check", lambda: self.horizon.check(store.conn, now=now), [])
+        self._step("horizon check", lambda: self.horizon.check(store.conn, now=now), None)
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
                              broadcasts, statistics, folded, keys, vacuumed)
         if rescued or buried:

@@ -139,7 +139,8 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
 
 
 def url_of(args: argparse.Namespace) -> str:
-    return args.database.url
+    url: str = args.database.url
+    return url
 
 
 def connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
