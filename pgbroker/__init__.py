@@ -22,7 +22,7 @@ from .enqueue import enqueue, enqueue_many, transaction
 from ._complete import complete
 from .migrate import migrate
 from .settings import Settings
-from . import _endings, _failures, _prefetch, _scheduled, _startup, signals  # noqa: F401 - signals: public
+from . import _endings, _failures, _prefetch, _scheduled, _startup, signals  # signals: public
 from .transport import register_scheme
 
 __all__ = [

@@ -34,7 +34,7 @@ def _client(app: Any, required: bool) -> Any:
     try:
         conn = app.connection_for_write()  # no I/O: kombu only parses the URL
         transport_cls = resolve_transport(conn.transport_cls)
-    except Exception as exc:  # noqa: BLE001 - e.g. the client library of another broker
+    except Exception as exc:  # e.g. the client library of another broker
         raise ConfigurationError(f"pgbroker.enqueue cannot tell the broker of Celery app "
                                  f"{app.main!r}: {type(exc).__name__}: {exc}") from exc
     if isinstance(transport_cls, type) and issubclass(transport_cls, Transport):

@@ -19,8 +19,8 @@ from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import Any
 
-__all__ = ["after_params", "ClaimPolicy", "EARLIEST", "Claimed", "Delivery", "HEAD", "JobRow", "Position", "WAKE_COALESCE",
-           "is_gate_marker", "parse_wake"]
+__all__ = ["after_params", "ClaimPolicy", "EARLIEST", "Claimed", "Delivery", "HEAD", "JobRow",
+           "Position", "WAKE_COALESCE", "is_gate_marker", "parse_wake"]
 
 #: Seconds wake-ups (NOTIFYs) of a channel are held together after one found nothing to claim.
 WAKE_COALESCE = 0.05

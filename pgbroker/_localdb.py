@@ -19,10 +19,11 @@ process must be handed the URL (the test helpers do so through the environment);
 :func:`resolve_database_url` itself would start its own server. If the starting process is killed
 with SIGKILL, the embedded server is left running and its directory left on disk.
 
-Running as root: PostgreSQL refuses to run as root. ``pgserver`` handles it by creating a system user
-``pgserver`` (with ``useradd``), chowning the data directory to it and adding read/traverse permission
-for "other" on every parent directory of the data directory and of its bundled binaries. This module
-therefore keeps the default data directory in a fresh temporary directory, never in root's home.
+Running as root: PostgreSQL refuses to run as root. ``pgserver`` handles it by creating a system
+user ``pgserver`` (with ``useradd``), chowning the data directory to it and adding read/traverse
+permission for "other" on every parent directory of the data directory and of its bundled binaries.
+This module therefore keeps the default data directory in a fresh temporary directory, never in
+root's home.
 """
 
 from __future__ import annotations

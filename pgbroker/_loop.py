@@ -1,8 +1,8 @@
 """The event loop's statements: claims and acks sent on the LISTEN connection without waiting.
 
-:class:`LoopStatements` prepares ``job_claim``, ``job_claim_gated`` and ``job_ack`` once on the consumer's LISTEN
-connection (:mod:`pgbroker._consumer` owns it) and sends them through :mod:`pgbroker._pq`; the
-loop reads their rows when the socket says they are there.
+:class:`LoopStatements` prepares ``job_claim``, ``job_claim_gated`` and ``job_ack`` once on the
+consumer's LISTEN connection (:mod:`pgbroker._consumer` owns it) and sends them through
+:mod:`pgbroker._pq`; the loop reads their rows when the socket says they are there.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ from psycopg.pq import Format
 
 from .errors import MessageError
 
-__all__ = ["ESCAPED", "MAX_NESTING", "JsonError", "Unreadable", "storable", "checked_name", "escape", "unescape",
-           "escape_json", "unescape_json", "jsonb_dumps", "nesting", "register_jsonb_loaders"]
+__all__ = ["ESCAPED", "MAX_NESTING", "JsonError", "Unreadable", "storable", "checked_name",
+           "escape", "unescape", "escape_json", "unescape_json", "jsonb_dumps", "nesting",
+           "register_jsonb_loaders"]
 
 #: What begins a stored string that was escaped.
 ESCAPED = "pgbroker-escaped:"

@@ -160,7 +160,8 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         # results at least result_expires (0: no expiry)
         chord = conf.get("result_chord_expires")
         self.chord_ttl = self.expires if chord is None else self.prepare_expires(chord, type=int)
-        self.chord_keep = max(self.chord_ttl, self.expires) if self.chord_ttl and self.expires else 0
+        self.chord_keep = (max(self.chord_ttl, self.expires) if self.chord_ttl and self.expires
+                           else 0)
         join_timeout = conf.result_chord_join_timeout or 5.0
         self.chord_reclaim_after = timedelta(seconds=max(10.0, 2 * float(join_timeout)))
         # The core Store owns connecting: migrating (or checking) the schema first, reopening

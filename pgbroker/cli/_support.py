@@ -117,7 +117,7 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
     app ``name`` (``proj``, ``proj.celery:app``), like ``celery -A``; it must be pgbroker."""
     try:
         app = find_app(name)  # imports from the current directory, as celery -A does
-    except Exception as exc:  # noqa: BLE001 - an import error, a syntax error, a bad name
+    except Exception as exc:  # an import error, a syntax error, a bad name
         raise ConfigurationError(f"cannot load the Celery app {name!r}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     url = str(app.conf.broker_write_url or app.conf.broker_url or "amqp://")
@@ -131,7 +131,7 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
                                  "pgbroker (broker_url = 'pgbroker://user@host/db')")
     try:
         conn = app.connection_for_write()  # no I/O: kombu parses the URL
-    except Exception as exc:  # noqa: BLE001 - a malformed URL
+    except Exception as exc:  # a malformed URL
         raise ConfigurationError(f"the Celery app {name!r} has an unusable broker_url: "
                                  f"{type(exc).__name__}: {exc}") from exc
     transport = conn.transport  # no I/O either; as_uri masks the password

@@ -20,8 +20,8 @@ claim (pgbroker._claims.ClaimPolicy's rule). With autovacuum off the monitor run
 VACUUM fallback (pgbroker._vacuum.VacuumFallback) every 15 s, as every worker's sweeper does.
 
 Printed: a line per sample, then a table; ``soak-<autovacuum>.json`` in ``--out`` holds every
-figure, and ``--plot`` draws the claim and the sizes against tasks done (matplotlib, the ``bench`` extra). Nothing is
-asserted about speed.
+figure, and ``--plot`` draws the claim and the sizes against tasks done (matplotlib, the ``bench``
+extra). Nothing is asserted about speed.
 
 Run::
 
@@ -124,7 +124,8 @@ def sample(pg: psycopg.Connection, tasks: int, started: float) -> dict[str, Any]
     sizes = pg.execute(
         "SELECT pg_relation_size('pgbroker.jobs_live'), pg_indexes_size('pgbroker.jobs_live'),"
         " pg_relation_size('pgbroker.jobs_done'), pg_indexes_size('pgbroker.jobs_done'),"
-        " (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'pgbroker.jobs_live'::regclass),"
+        " (SELECT n_dead_tup FROM pg_stat_user_tables"
+        " WHERE relid = 'pgbroker.jobs_live'::regclass),"
         " (SELECT count(*) FROM pgbroker.jobs_live WHERE state = 'pending'),"
         " (SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables"
         "  WHERE relid = 'pgbroker.jobs_live'::regclass)").fetchone()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 
-from tests.e2e.app import app, record  # noqa: F401 - app: what `celery -A` looks for
-from tests.e2e.app import *  # noqa: F401,F403 - the e2e app's tasks, registered on the same app
+from tests.e2e.app import app, record  # app: what `celery -A` looks for
+from tests.e2e.app import *  # noqa: F403 - the e2e app's tasks, registered on the same app
 
 
 #: Exception texts PostgreSQL cannot store as they are: a NUL, and a lone surrogate (what
 #: ``os.listdir`` returns for a file name that is not UTF-8).
-TEXTS = {"nul": "bad \x00 name", "surrogate": "bad " + b"caf\xe9".decode("utf-8", "surrogateescape"),
+TEXTS = {"nul": "bad \x00 name",
+         "surrogate": "bad " + b"caf\xe9".decode("utf-8", "surrogateescape"),
          "plain": "plain"}
 
 

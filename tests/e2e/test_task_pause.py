@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import psycopg
-import pytest
 from celery import Celery
 from psycopg.rows import dict_row
 
@@ -52,7 +51,7 @@ def _state(pg: psycopg.Connection, task_id: str) -> tuple[str, int]:
 
 
 def test_pool_process_killed_three_times_in_a_row_pauses_the_task(
-        producer: Celery, broker_url: str, pg: psycopg.Connection, db_url: str) -> None:
+        producer: Celery, broker_url: str, pg: psycopg.Connection, db_url: str) -> None:  # noqa: F811
     worker = _worker(broker_url)
     app_module.crash.apply_async(("c1",), task_id="c1", headers={"max_attempts": 20})
     wait_for(lambda: _paused(pg), 90, message="the crash task to be paused")
@@ -101,7 +100,7 @@ def test_pool_process_killed_three_times_in_a_row_pauses_the_task(
     worker.stop()
 
 
-def test_a_completed_delivery_ends_the_streak(producer: Celery, broker_url: str,
+def test_a_completed_delivery_ends_the_streak(producer: Celery, broker_url: str,  # noqa: F811
                                               pg: psycopg.Connection) -> None:
     """Two losses, a success, two losses: never three in a row, never paused."""
     worker = _worker(broker_url, "-c", "1")
@@ -124,7 +123,7 @@ def test_a_completed_delivery_ends_the_streak(producer: Celery, broker_url: str,
 
 
 def test_lost_worker_failures_and_sweeper_rescues_count_and_signal(
-        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:
+        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:  # noqa: F811
     """Without task_reject_on_worker_lost Celery fails the task (WorkerLostError): each counts,
     and each dead job is signalled. A whole worker SIGKILLed: the sweeper rescues its job,
     counts the loss, and signals the job dead when it was its last attempt."""
@@ -164,7 +163,7 @@ def test_lost_worker_failures_and_sweeper_rescues_count_and_signal(
     second.stop()
 
 
-def test_pgbroker_sweep_signals_in_its_own_process(producer: Celery, broker_url: str,
+def test_pgbroker_sweep_signals_in_its_own_process(producer: Celery, broker_url: str,  # noqa: F811
                                                    pg: psycopg.Connection, db_url: str) -> None:
     """``pgbroker -A app sweep`` imports the app's modules, so their receivers hear the jobs it
     makes dead: the signal comes from the CLI's process."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import uuid
 
 import psycopg
-import pytest
 
 from pgbroker._claims import after_params
 from pgbroker._sql import queries

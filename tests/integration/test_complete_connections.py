@@ -33,7 +33,7 @@ def _state(pg: psycopg.Connection, job: uuid.UUID) -> tuple[str, int | None]:
                       (job,)).fetchone()
 
 
-def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -> None:
+def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -> None:  # noqa: F811
     from django.db import connection, transaction
 
     from tests.django_project.shop.models import Order
@@ -52,7 +52,7 @@ def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -
     assert [o.item for o in Order.objects.all()] == ["kept"]
 
 
-def test_sqlalchemy_and_psycopg(client: Celery, db_url: str, pg: psycopg.Connection) -> None:
+def test_sqlalchemy_and_psycopg(client: Celery, db_url: str, pg: psycopg.Connection) -> None:  # noqa: F811
     pg.execute("CREATE TABLE public.effects (job uuid)")
     engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
     job, task = _running(pg)
