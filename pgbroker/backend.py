@@ -160,7 +160,8 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         # results at least result_expires (0: no expiry)
         chord = conf.get("result_chord_expires")
         self.chord_ttl = self.expires if chord is None else self.prepare_expires(chord, type=int)
-        self.chord_keep = max(self.chord_ttl, self.expires) if self.chord_ttl and self.expires else 0
+        self.chord_keep = (max(self.chord_ttl, self.expires) if self.chord_ttl and self.expires
+                           else 0)
         join_timeout = conf.result_chord_join_timeout or 5.0
         self.chord_reclaim_after = timedelta(seconds=max(10.0, 2 * float(join_timeout)))
         # The session owns connecting (migrating or checking the schema first, reopening after
@@ -286,6 +287,7 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         if kind != "chord":
             raise ValueError(f"only chord counters can be incremented, not a {kind} key")
         row = self._run("result_chord_incr", {"group_id": ident}, retry=False).fetchone()
+        assert row is not None  # the statement returns the counter
         return int(row[0])
 
     def expire(self, key: str | bytes, value: float | None) -> None:
@@ -377,6 +379,7 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             "keep": _ttl(self.chord_keep),
             "reclaim_after": self.chord_reclaim_after,
         }).fetchone()
+        assert row is not None  # the statement returns the chord's counts
         return ChordPart(int(row[0]), None if row[1] is None else int(row[1]), bool(row[2]),
                          bool(row[3]))
 
@@ -394,8 +397,8 @@ class DatabaseBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             # Celery did not tell the size (set_chord_size): the saved header knows it.
             deps = GroupResult.restore(gid, backend=self)
             if deps is None:
-                return self._fail_chord(gid, callback, ChordError(
-                    f"GroupResult {gid} no longer exists"))
+                self._fail_chord(gid, callback, ChordError(f"GroupResult {gid} no longer exists"))
+                return
             part = self._chord_part(request, len(deps), token)
         if part.dispatched or not part.claimed:
             return
@@ -637,7 +640,7 @@ def _json_or_none(value: Any) -> str | None:
     if value is None:
         return None
     try:
-        text = json_dumps(value, allow_nan=False)
+        text: str = json_dumps(value, allow_nan=False)
         if "\\u0000" in text or "\\ud" in text or ESCAPED in text:  # as jsonb_dumps tells
             text = json_dumps(escape_json(value), allow_nan=False)
     except (TypeError, ValueError, RecursionError):

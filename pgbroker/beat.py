@@ -399,7 +399,8 @@ class Scheduler(celery_beat.Scheduler):
         given = self._given(now)
         if given is not None:
             return given
-        return self._q.one(conn, "beat_clock", what=what)[0]
+        clock: datetime = self._q.one(conn, "beat_clock", what=what)[0]
+        return clock
 
     def connection(self) -> psycopg.Connection[Any]:
         """The scheduler's own connection (autocommit; each firing is an explicit transaction),

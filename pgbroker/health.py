@@ -151,7 +151,7 @@ def beat(conn: psycopg.Connection[Any], schema: str = "pgbroker", entries: tuple
     rows = {r["name"]: r for r in _rows(conn, schema, "health_beat", {})}
     for name in entries:
         if name not in rows:
-            [state] = _rows(conn, schema, "health_beat_entry", {"name": name}) or [None]
+            state = next(iter(_rows(conn, schema, "health_beat_entry", {"name": name})), None)
             why = ("no such entry" if state is None else
                    "removed from the config" if state["removed"] else "disabled")
             return Verdict("beat", "missing", f"beat entry {name!r}: {why}", {"entry": name})

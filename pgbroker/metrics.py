@@ -334,7 +334,8 @@ class _Collector:
                                 "Seconds the metrics queries took", snap.duration)
         jobs = GaugeMetricFamily(
             "pgbroker_jobs", "Jobs per queue, task and state (completed, retried, cancelled and "
-            "expired: those finished within the window; retried: a try that sent a Celery retry)", labels=["queue", "task", "state"])
+            "expired: those finished within the window; retried: a try that sent a Celery retry)",
+            labels=["queue", "task", "state"])
         redelivered = GaugeMetricFamily(
             "pgbroker_jobs_redelivered", "Pending or running jobs that were delivered before",
             labels=["queue", "task"])

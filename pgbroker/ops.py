@@ -219,7 +219,7 @@ class Operations:
         return self.q.dicts(self.conn, name, params)
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...]:
-        row = self.q.one(self.conn, name, params)
+        row: tuple[Any, ...] | None = self.q.one(self.conn, name, params)
         assert row is not None, name
         return row
 

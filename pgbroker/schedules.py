@@ -109,13 +109,15 @@ def entry_config(name: str, task: str, schedule: Any, args: Any = (), kwargs: An
             raise ConfigurationError(f"max_attempts must be a positive integer, not {attempts!r}")
         grid = grid_of(schedule, tz)
         try:
-            serialised = [kombu_dumps(v) for v in (list(args), dict(kwargs), opts)]
+            args_text, kwargs_text, options_text = [
+                kombu_dumps(v) for v in (list(args), dict(kwargs), opts)]
         except TypeError as exc:
             raise ConfigurationError(f"args, kwargs and options must be JSON-serialisable (they "
                                      f"are stored in PostgreSQL): {exc}") from exc
     except ValueError as exc:  # ConfigurationError and enqueue's MessageError are ValueErrors
         raise ConfigurationError(f"beat entry {name!r}: {exc}") from exc
-    return EntryConfig(name, task, *serialised, grid=grid, misfire=misfire, overlap=overlap)
+    return EntryConfig(name, task, args_text, kwargs_text, options_text, grid=grid,
+                       misfire=misfire, overlap=overlap)
 
 
 def save_entry(conn: psycopg.Connection[Any], q: Queries, cfg: EntryConfig,
@@ -187,7 +189,8 @@ class Schedules:
         running, nothing fires until one starts."""
         with self._action() as row_of:
             row_of(name)
-            row = self.q.one(self.conn, "beat_entry_run_now", {"name": name}, what=_WHAT)
+            row: tuple[datetime] | None = self.q.one(self.conn, "beat_entry_run_now",
+                                                     {"name": name}, what=_WHAT)
             if row is None:
                 raise OperationError(f"schedule entry {name!r} is disabled or no longer in the "
                                      "config: enable it first")
@@ -241,8 +244,8 @@ class Schedules:
     def _action(self) -> Iterator[Callable[..., Any]]:
         """One transaction: lock the entry, change it, write the audit row."""
         def row_of(name: str, missing_ok: bool = False) -> dict[str, Any] | None:
-            row = self.q.one(self.conn, "beat_entry_get", {"name": name}, row_factory=dict_row,
-                             what=_WHAT)
+            row: dict[str, Any] | None = self.q.one(self.conn, "beat_entry_get", {"name": name},
+                                                    row_factory=dict_row, what=_WHAT)
             if row is None and not missing_ok:
                 known = [r[0] for r in self.q.all(self.conn, "beat_names", what=_WHAT)]
                 hint = f"known: {', '.join(known[:20])}" if known else "there is none"

@@ -88,5 +88,5 @@ def send_task_resumed(task: str, reason: str, actor: str) -> None:
 def _send(signal: Signal, sender: Any, **named: Any) -> None:
     try:
         signal.send(sender=sender, **named)
-    except Exception:  # noqa: BLE001 - a signal never turns an ack or a sweep into a failure
+    except Exception:  # a signal never turns an ack or a sweep into a failure
         logger.exception("pgbroker: sending %s failed", signal.name)

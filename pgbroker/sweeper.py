@@ -7,9 +7,9 @@ when VACUUM's horizon is held too long (``xmin_warn_after``; :mod:`pgbroker._pg.
 worker (from its lease thread) and as ``pgbroker sweep``. ``run_once(now=...)`` does the pass as
 if the database's clock read ``now`` (River's maintenance services take their clock the same
 way), so a test builds a state -- a crashed worker's running rows, say -- and runs one pass at
-the time it wants instead of waiting for the lease to run out. Several sweepers at once are safe: every
-statement takes its rows with ``FOR UPDATE SKIP LOCKED`` and changes them only if they are still
-in the state it found them in.
+the time it wants instead of waiting for the lease to run out. Several sweepers at once are safe:
+every statement takes its rows with ``FOR UPDATE SKIP LOCKED`` and changes them only if they are
+still in the state it found them in.
 
 Limits, honestly: a job is rescued when its consumer's session advisory lock is gone (its
 connection died: seconds) or its heartbeat is older than ``lease_timeout`` (a frozen or cut-off
@@ -104,7 +104,7 @@ class Sweeper:
         keys = self._step("concurrency key pruning",
                           lambda: store.prune_concurrency_keys(now=now), 0)
         vacuumed = self._step("vacuum", lambda: self.vacuum.run_once(store.conn), 0)
-        self._step("horizon check", lambda: self.horizon.check(store.conn, now=now), [])
+        self._step("horizon check", lambda: self.horizon.check(store.conn, now=now), None)
         result = SweepResult(rescued, buried, consumers, expired, promoted, pruned, queues,
                              broadcasts, statistics, folded, keys, vacuumed)
         if rescued or buried:

@@ -181,7 +181,8 @@ class Channel(virtual.Channel):
     exchange_types = {**STANDARD_EXCHANGE_TYPES, "direct": RoutingDirectExchange,
                       "topic": RoutingTopicExchange}
     supports_fanout = True  # bindings are in the database: every process sees them
-    body_encoding = None  # the body is stored as bytes; no base64 detour
+    # the body is stored as bytes; no base64 detour (the ignore: kombu's 'base64' types it str)
+    body_encoding = None  # type: ignore[assignment]
     default_priority = 0
     min_priority = 0
     max_priority = 255
@@ -324,7 +325,8 @@ class Channel(virtual.Channel):
                                 **kwargs: Any) -> dict[str, Any]:
         """Queue options as AMQP arguments (``expires`` -> ``x-expires`` in ms, ``message_ttl``
         -> ``x-message-ttl``), stored with the queue and honoured by every process."""
-        return to_rabbitmq_queue_arguments(arguments or {}, **kwargs)
+        prepared: dict[str, Any] = to_rabbitmq_queue_arguments(arguments or {}, **kwargs)
+        return prepared
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         validate_queue_name(queue)
@@ -377,7 +379,7 @@ class Channel(virtual.Channel):
                       **kwargs: Any) -> str:
         validate_queue_name(queue)
         self.consumer.listen()  # before the first claim, or a NOTIFY could fall in between
-        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        result: str = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self.consumer.lease.ensure(refresh=True)  # listed at once: x-expires must not hit it
         if no_ack:
             self._no_ack.add(queue)
@@ -460,10 +462,11 @@ class Transport(virtual.Transport):
     #: pgbroker://b") report the URL in use. A libpq URL goes after "pgbroker+" (query
     #: options, several hosts): kombu leaves that part alone.
     can_parse_url = False
-    default_port = 5432
+    default_port = 5432  # type: ignore[assignment]  # kombu's default, None, types it None
     driver_type = "postgresql"
     driver_name = "psycopg"
-    polling_interval = None  # drain_events below waits on LISTEN, never sleeps blindly
+    # drain_events below waits on LISTEN, never sleeps blindly (kombu's 1.0 types it float)
+    polling_interval = None  # type: ignore[assignment]
 
     implements = virtual.Transport.implements.extend(
         asynchronous=True,
@@ -472,7 +475,8 @@ class Transport(virtual.Transport):
     )
 
     connection_errors = virtual.Transport.connection_errors + _db.CONNECTION_ERRORS
-    channel_errors = virtual.Transport.channel_errors + (ChannelError,)
+    # (kombu's default, a 1-tuple, gives it that type)
+    channel_errors = virtual.Transport.channel_errors + (ChannelError,)  # type: ignore[assignment]
 
     def __init__(self, client: Any, **kwargs: Any):
         super().__init__(client, **kwargs)
@@ -497,7 +501,7 @@ class Transport(virtual.Transport):
         return self.consumer.lease
 
     @property
-    def in_flight(self) -> tuple[Channel, str, int] | None:
+    def in_flight(self) -> tuple[Any, str, int] | None:
         """The event loop's claim in flight: (channel, queue, how many were asked for)."""
         return self.consumer.in_flight
 
@@ -510,7 +514,8 @@ class Transport(virtual.Transport):
         if not self._holds_store:  # closed, and connected again
             self.store, self._holds_store = acquire(self.conninfo, self.settings), True
         self.store.connect()  # really connects: a dead database is an error now, not later
-        return super().establish_connection()
+        connection: Transport = super().establish_connection()
+        return connection
 
     def close_connection(self, connection: Any) -> None:
         try:
@@ -530,7 +535,9 @@ class Transport(virtual.Transport):
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         self.consumer.register(loop)
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    # (the ignore: kombu's base Transport declares **kwargs; its virtual one, this signature)
+    def drain_events(self, connection: Any, timeout: float | None = None,  # type: ignore[override]
+                     ) -> None:
         self.consumer.drain(timeout)
 
 

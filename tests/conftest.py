@@ -120,7 +120,8 @@ def pg(db_url: str) -> Iterator[psycopg.Connection]:
 def _stop_celery_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     """Stop every worker/beat process started during the test, even when the test failed.
 
-    Also points ``tests.support.processes`` at this test's ``tmp_path`` for the processes' log files.
+    Also points ``tests.support.processes`` at this test's ``tmp_path`` for the processes' log
+    files.
     """
     before = set(processes.live_processes())
     processes.log_dir_provider = lambda: request.getfixturevalue("tmp_path") / "celery-logs"

@@ -2,8 +2,9 @@
 
 Each task is thin: it opens a session and calls the service layer (:mod:`ticketflow.services`),
 where the transactions are; the services enqueue these tasks by name (:mod:`ticketflow.jobs`),
-never importing this module, so the dependency runs one way. Delivery is at least once (``task_acks_late``): every task is
-idempotent, so a redelivery (a worker killed mid-task, a duplicated message) does no harm.
+never importing this module, so the dependency runs one way. Delivery is at least once
+(``task_acks_late``): every task is idempotent, so a redelivery (a worker killed mid-task, a
+duplicated message) does no harm.
 
 * :func:`send_confirmation_email` (queue ``email``): one e-mail per reservation, kept by a
   ``task_dedup`` row written in the same transaction as the e-mail.
@@ -80,7 +81,7 @@ class _PaymentTask(TableBackoff):
         try:
             with db.session() as session:
                 services.fail_payment(session, payment_id, f"{type(exc).__name__}: {exc}")
-        except Exception:  # noqa: BLE001 - the task's own failure is what must be reported
+        except Exception:  # the task's own failure is what must be reported
             logger.exception("could not mark payment %s failed", payment_id)
 
 

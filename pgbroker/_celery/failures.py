@@ -177,7 +177,7 @@ def _count_pool_loss(request: Any) -> None:
     delivery = _delivery(tag)
     try:
         store = _store_for(request.task.app) if delivery is not None else None
-        if store is not None:
+        if store is not None and delivery is not None:
             store.record_losses([delivery])  # (never raises; retried, pgbroker._pg.retry)
     except Exception as exc:  # noqa: BLE001 - never stop Celery's own handling
         logger.warning("pgbroker: could not count the lost pool process of %s: %s", tag, exc)

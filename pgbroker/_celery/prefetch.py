@@ -80,7 +80,9 @@ class _Gate:
 
     def limit(self) -> int:
         """The pool's processes, as Celery counts them for Redis."""
-        return getattr(self.c.controller, "max_concurrency", None) or self.c.pool.num_processes
+        limit: int = (getattr(self.c.controller, "max_concurrency", None)
+                      or self.c.pool.num_processes)
+        return limit
 
     def free(self) -> int:
         return self.limit() - len(state.reserved_requests)

@@ -97,7 +97,9 @@ def _hear_stop_signals() -> None:
     was told to stop before Celery's handler runs (and maybe waits). Once per process."""
     for name in ("SIGTERM", "SIGINT", "SIGQUIT"):
         number = getattr(signal, name, None)
-        handler = signal.getsignal(number) if number is not None else None
+        if number is None:
+            continue
+        handler = signal.getsignal(number)
         if not callable(handler) or getattr(handler, "pgbroker_hears", False):
             continue
 

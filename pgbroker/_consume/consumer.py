@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable
 from time import monotonic
@@ -286,7 +285,7 @@ class Consumer:
                 self.hand_over(channel, payload, row.queue)
             except self._connection_errors:
                 raise
-            except Exception as exc:  # noqa: BLE001 - see above
+            except Exception as exc:  # see above
                 reason = (f"the consumer failed on it before running it: "
                           f"{type(exc).__name__}: {exc}")
                 logger.error("pgbroker: job %s goes dead: %s", row.id, reason, exc_info=True)
@@ -354,7 +353,8 @@ class Consumer:
         self.in_flight = (channel, queue, want)
         return True
 
-    def _claimed(self, channel: Any, queue: str, want: int, rows: Claimed) -> None:
+    def _claimed(self, channel: Any, queue: str, want: int,
+                 rows: Claimed | list[JobRow]) -> None:  # a plain list: a claim that failed
         """Hand over the rows of a claim sent by :meth:`_send_claim`."""
         self.hand_over_rows(channel, queue, channel.claims.took(queue, rows, want))
         channel.claims.claimed(bool(rows), len(rows) >= want)
@@ -644,7 +644,7 @@ class Consumer:
                     wait = min(wait, at - now)
             if deadline is not None:
                 if now >= deadline:
-                    raise socket.timeout()
+                    raise TimeoutError()
                 wait = min(wait, deadline - now)
             if _db.wait_readable(self.listen().fileno(), max(wait, 0)):
                 self._read_notifications()

@@ -145,7 +145,7 @@ class Lease:
                     self._sweeper.horizon.enabled = self._sweeper.vacuum.enabled = worker
                     self._sweeper.run_once()
                 backoff = 0.5
-            except Exception as exc:  # keep the lease alive through database restarts
+            except Exception as exc:  # noqa: BLE001 - keep the lease alive through database restarts
                 logger.warning("pgbroker lease %s: %s; reconnecting", self.id, exc)
                 self._store.close()
                 if self._stop.wait(backoff):

@@ -72,7 +72,7 @@ class JobRow:
     last_error: str | None = None
 
 
-class Claimed(list):  # type: ignore[type-arg]
+class Claimed(list[JobRow]):
     """The rows of a claim, in delivery order. ``gated``: job_claim found the queue gated (its
     marker row) and the claim was made again by job_claim_gated: claim it with that from now on
     (:class:`pgbroker._consume.claim_policy.ClaimPolicy`)."""

@@ -208,6 +208,7 @@ def _text_array(values: list[Any]) -> _Array | list[Any]:
             return values  # psycopg's dumper
         element = made.get(value)
         if element is None:
+            assert value is not None  # made has None's element
             data = value.encode()
             element = made[value] = _LENGTH(len(data)) + data
         elements.append(element)
@@ -230,9 +231,9 @@ def _int_array(name: str, values: list[int]) -> _Array | list[int]:
     return _array(name, elements)
 
 
-def batch_arrays(conn: psycopg.Connection[Any], jobs: list[NewJob], channel: str,
-             json_of: dict[uuid.UUID, tuple[bytes, bytes]],
-             digests: dict[uuid.UUID, bytes]) -> dict[str, Any]:
+def batch_arrays(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+                 jobs: list[NewJob], channel: str, json_of: dict[uuid.UUID, tuple[bytes, bytes]],
+                 digests: dict[uuid.UUID, bytes]) -> dict[str, Any]:
     """``job_insert_many``'s parameters for ``jobs``: what :func:`batch_lists` gives, with
     the columns as binary arrays. The message digests made go to ``digests``."""
     encoding = conn.info.encoding
@@ -256,23 +257,24 @@ def batch_arrays(conn: psycopg.Connection[Any], jobs: list[NewJob], channel: str
         params[name] = values if any(v is not None for v in values) else _array(
             "timestamptz", [_NULL] * len(values), True)
     made = [json_of.pop(job.id, None) for job in jobs]  # each job is sent once: let them go
-    if None in made:
+    ready = [pair for pair in made if pair is not None]
+    if len(ready) < len(made):
         values = [job.jsonb() for job in jobs]
         params["headers"] = [headers for headers, _ in values]
         params["properties"] = [properties for _, properties in values]
         digests.update((job.id, job.digest()) for job in jobs)
     else:
-        params["headers"] = _array("jsonb", [_LENGTH(len(h)) + h for h, _ in made])
-        params["properties"] = _array("jsonb", [_LENGTH(len(p)) + p for _, p in made])
+        params["headers"] = _array("jsonb", [_LENGTH(len(h)) + h for h, _ in ready])
+        params["properties"] = _array("jsonb", [_LENGTH(len(p)) + p for _, p in ready])
         # the jsonb values are a version byte and json.dumps' text: the digest's input
         digests.update((job.id, message_digest(job, h[1:], p[1:]))
-                       for job, (h, p) in zip(jobs, made))
+                       for job, (h, p) in zip(jobs, ready, strict=True))
     params["message_digest"] = _array(
         "bytea", [_LENGTH(32) + digests[job.id] for job in jobs])
     return params
 
 
-def register_array_dumpers(cur: psycopg.Cursor[Any]) -> None:
+def register_array_dumpers(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
     """Let ``cur`` (its adapters only) send :func:`batch_arrays`' arrays as they are."""
     for kind, dumper in _KINDS.values():
         cur.adapters.register_dumper(kind, dumper)

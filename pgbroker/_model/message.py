@@ -168,8 +168,8 @@ def message_to_job(settings: Settings, queue: str | None, message: dict[str, Any
     for what in ("exchange", "routing_key"):
         if info.get(what):
             validate_queue_name(info[what], what.replace("_", " "))
-    for key in _DROPPED_PROPERTIES:
-        properties.pop(key, None)
+    for name in _DROPPED_PROPERTIES:
+        properties.pop(name, None)
     task = headers.get("task")
     check_headers(headers)  # dedupe and concurrency keys
     retries = _retries(headers)

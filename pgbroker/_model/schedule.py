@@ -137,7 +137,7 @@ class Cron(Grid):
                 last, delta, _now = self.cron.remaining_delta(self._probe.t, tz=self.zone)
             finally:
                 self._probe.t = None
-            found = (last + delta).astimezone(timezone.utc)
+            found: datetime = (last + delta).astimezone(timezone.utc)
             if found > t:
                 return found
             # A wall-clock step that lands on or before t (a repeated hour when clocks go
@@ -173,7 +173,7 @@ class Solar(Grid):
         """The event after t, cut to the second (so that keys and logs read well)."""
         start = t.astimezone(timezone.utc).replace(tzinfo=None)
         self.solar.cal.date = start
-        event = self._next_event(self.solar.ephem.Date(start)).datetime()
+        event: datetime = self._next_event(self.solar.ephem.Date(start)).datetime()
         return event.replace(tzinfo=timezone.utc, microsecond=0)
 
     #: Days searched for an event that some days lack (sunrise in the polar night), as Celery.

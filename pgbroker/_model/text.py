@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from psycopg.adapt import Loader
@@ -30,8 +31,9 @@ from psycopg.pq import Format
 
 from ..errors import MessageError
 
-__all__ = ["ESCAPED", "MAX_NESTING", "JsonError", "Unreadable", "storable", "checked_name", "escape", "unescape",
-           "escape_json", "unescape_json", "jsonb_dumps", "nesting", "register_jsonb_loaders"]
+__all__ = ["ESCAPED", "MAX_NESTING", "JsonError", "Unreadable", "storable", "checked_name",
+           "escape", "unescape", "escape_json", "unescape_json", "jsonb_dumps", "nesting",
+           "register_jsonb_loaders"]
 
 #: What begins a stored string that was escaped.
 ESCAPED = "pgbroker-escaped:"
@@ -126,6 +128,7 @@ def nesting(value: Any, limit: int = MAX_NESTING) -> int:
     stack = [(value, 1)]
     while stack:
         item, level = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, (list, tuple)):
@@ -141,8 +144,9 @@ def nesting(value: Any, limit: int = MAX_NESTING) -> int:
 
 def _may_nest_deeper(text: str | bytes, limit: int) -> bool:
     """False when the JSON text cannot nest deeper than ``limit`` (it opens fewer containers)."""
-    opening = ("{", "[") if isinstance(text, str) else (b"{", b"[")
-    return text.count(opening[0]) + text.count(opening[1]) > limit
+    if isinstance(text, str):
+        return text.count("{") + text.count("[") > limit
+    return text.count(b"{") + text.count(b"[") > limit
 
 
 class JsonError(ValueError):

@@ -114,7 +114,7 @@ def mask_password(url: str, mask: str = "**") -> str:
             return "<unparsable conninfo>"
         if "password" not in params:
             return url
-        return psycopg.conninfo.make_conninfo(**{**params, "password": mask})
+        return psycopg.conninfo.make_conninfo("", **{**params, "password": mask})
     try:
         parts = urlsplit(url)
         netloc = parts.netloc
@@ -149,7 +149,7 @@ def kombu_conninfo(client: Any) -> str:
             return psycopg.conninfo.make_conninfo(url, password=client.password)
         return url
     if hostname and "=" in hostname:  # a key=value conninfo string
-        return hostname
+        return str(hostname)
     # a pgbroker:// URL kombu parsed, or separate arguments; no host ("pgbroker://"):
     # libpq's defaults (PGHOST, the local socket)
     dbname = client.virtual_host if client.virtual_host not in (None, "", "/") else None

@@ -19,10 +19,11 @@ process must be handed the URL (the test helpers do so through the environment);
 :func:`resolve_database_url` itself would start its own server. If the starting process is killed
 with SIGKILL, the embedded server is left running and its directory left on disk.
 
-Running as root: PostgreSQL refuses to run as root. ``pgserver`` handles it by creating a system user
-``pgserver`` (with ``useradd``), chowning the data directory to it and adding read/traverse permission
-for "other" on every parent directory of the data directory and of its bundled binaries. This module
-therefore keeps the default data directory in a fresh temporary directory, never in root's home.
+Running as root: PostgreSQL refuses to run as root. ``pgserver`` handles it by creating a system
+user ``pgserver`` (with ``useradd``), chowning the data directory to it and adding read/traverse
+permission for "other" on every parent directory of the data directory and of its bundled binaries.
+This module therefore keeps the default data directory in a fresh temporary directory, never in
+root's home.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import psycopg
@@ -205,7 +206,7 @@ def start_embedded_server(purpose: str = "pgbroker", *, datadir: Path | None = N
         return url
 
 
-def _import_pgserver():  # type: ignore[no-untyped-def]
+def _import_pgserver() -> Any:
     """Import ``pgserver`` with a clear error when it is missing."""
     try:
         with warnings.catch_warnings():
@@ -221,9 +222,9 @@ def _import_pgserver():  # type: ignore[no-untyped-def]
     return pgserver
 
 
-def _url_of(server: object) -> str:
+def _url_of(server: Any) -> str:
     """Build a libpq URL from a running pgserver.PostgresServer."""
-    info = server.get_postmaster_info()  # type: ignore[attr-defined]
+    info = server.get_postmaster_info()
     port = info.port or 5432
     if info.socket_dir is not None:
         # The port names the socket file (.s.PGSQL.<port>); say it so PGPORT cannot mislead libpq.

@@ -32,7 +32,8 @@ def acquire(conninfo: str, settings: Settings) -> Store:
         if entry is None:
             entry = _shared[key] = [Store(conninfo, settings), 0]
         entry[1] += 1
-        return entry[0]
+        store: Store = entry[0]
+        return store
 
 
 def release(store: Store) -> None:

@@ -392,8 +392,9 @@ class Store:
         """Roll up to ``minutes`` closed minutes up for the admin page's charts, and sample the
         backlog once a minute (``stats_rollup`` in sql/admin.sql); returns the rows written.
         Nothing is written while another sweeper does it, or when nothing is due."""
-        if not self._execute("stats_rollup_due", {"lag": ROLLUP_LAG},
-                             lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()[0]:
+        due = self._execute("stats_rollup_due", {"lag": ROLLUP_LAG},
+                            lock_timeout=MAINTENANCE_LOCK_TIMEOUT).fetchone()
+        if due is None or not due[0]:
             return 0
         params = {"lag": ROLLUP_LAG, "minutes": minutes,
                   "backfill": min(self.settings.retention, 86400.0)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from json.encoder import encode_basestring_ascii as _json_string  # json.dumps of a str
 from typing import Any
@@ -169,7 +169,7 @@ _PLAIN_REPR_LEVELS = 8
 
 #: A message planned by _Template.plan: (template, body, content type, content encoding,
 #: argsrepr, kwargsrepr, idempotency key).
-Planned = tuple
+Planned = tuple["_Template", bytes, str, str, str, str, "str | None"]
 
 
 class Templates:
@@ -230,6 +230,21 @@ class _Template:
     __slots__ = ("headers", "properties", "root_is_id", "serializer", "compression", "embed",
                  "check_arguments", "args_maxsize", "kwargs_maxsize", "maxlevels",
                  "max_message_size", "job", "headers_json", "properties_json", "encode_json")
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    root_is_id: bool
+    serializer: str
+    compression: str | None
+    embed: dict[str, Any]
+    check_arguments: Callable[..., Any] | None
+    args_maxsize: int
+    kwargs_maxsize: int
+    maxlevels: int | None
+    max_message_size: int
+    job: NewJob
+    headers_json: _JsonPieces | None
+    properties_json: _JsonPieces | None
+    encode_json: Callable[[Any], str] | None
 
     @classmethod
     def make(cls, app: Any, settings: Settings, job: NewJob,
@@ -301,6 +316,7 @@ class _Template:
                 key is not None and not (type(key) is str and _plain(key)
                                          and len(key.encode()) <= MAX_ID_BYTES)):
             return None  # escaped or refused by build (message_to_job)
+        body: Any  # str or bytes, or whatever another serializer returns (refused below)
         if self.encode_json is not None:
             try:
                 body = self.encode_json((args, kwargs, self.embed))
@@ -363,6 +379,8 @@ class _JsonPieces:
     """
 
     __slots__ = ("format", "keys")
+    format: str
+    keys: list[str]
 
     _MARK = "\x00pgbroker:{}\x00"
 
@@ -521,8 +539,9 @@ def unpack(index: int, item: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
             1 <= len(item) <= 4):
         raise TypeError(f"enqueue_many item {index} must be (task, args, kwargs, options) with "
                         f"the trailing parts optional, not {item!r}")
-    # the parts left out take their defaults: args (), kwargs None, options None
-    task, args, kwargs, options = [*item, *[(), None, None][len(item) - 1:]]
+    # the parts left out take their defaults: args (), kwargs None, options None (the ignore:
+    # mypy refuses a * of the narrowed type, tuple | list | Any, which is iterable)
+    task, args, kwargs, options = [*item, *[(), None, None][len(item) - 1:]]  # type: ignore[misc]
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"enqueue_many item {index}: options must be a dict, not {options!r}")
     return task, args, kwargs, options or {}

@@ -43,7 +43,8 @@ class Publisher:
         """A job in ``queue``."""
         job = self.job(queue, message)
         target = current_target(self.store.conninfo)
-        if target is not None:  # inside pgbroker.transaction(db) (or atomic()): the caller's transaction
+        # inside pgbroker.transaction(db) (or atomic()): the caller's transaction
+        if target is not None:
             target.add(job, self.settings)
         else:
             self.store.insert(job)
@@ -52,7 +53,8 @@ class Publisher:
         """Keep an unroutable message as a dead letter of :data:`UNROUTABLE` that says why."""
         job = dataclasses.replace(self.job(UNROUTABLE, message), idempotency_key=None)
         target = current_target(self.store.conninfo)
-        if target is not None:  # inside pgbroker.transaction(db) (or atomic()): the caller's transaction
+        # inside pgbroker.transaction(db) (or atomic()): the caller's transaction
+        if target is not None:
             target.add_dead(job, self.settings, reason)
         else:
             self.store.insert_dead(job, reason)

@@ -116,7 +116,7 @@ async def awrite(conn: Conn, jobs: Sequence[tuple[Settings, NewJob | Planned]],
         for start in range(0, len(jobs), batch_size):
             by_schema: dict[str, tuple[Settings, list[NewJob]]] = {}
             for settings, entry in jobs[start:start + batch_size]:
-                job = entry if type(entry) is NewJob else entry[0].finish(entry, json_of)
+                job = entry if isinstance(entry, NewJob) else entry[0].finish(entry, json_of)
                 ids.append(job.id)
                 by_schema.setdefault(settings.schema, (settings, []))[1].append(job)
             for settings, batch in by_schema.values():
@@ -150,7 +150,8 @@ async def _insert_many(conn: Conn, settings: Settings, jobs: list[NewJob],
 
 #: What _send_many sent for a batch: its settings, its jobs, the insert's cursor, the digests
 #: made (by job id), and the look-up of its keyed jobs (their list and its cursor) if any.
-_Sent = tuple
+_Sent = tuple[Settings, list[NewJob], "psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]",
+              dict[uuid.UUID, bytes], "tuple[list[NewJob], Any] | None"]
 
 
 async def _send_many(conn: Conn, settings: Settings, jobs: list[NewJob],

@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any
 
-import waitress
+import waitress.server
 
 from ..errors import ConfigurationError
 from .app import create_app
@@ -43,8 +43,8 @@ def serve(database_url: str, schema: str = "pgbroker", *, host: str = "127.0.0.1
               f"{credentials.token}", file=sys.stderr, flush=True)
     app = create_app(database_url, schema, credentials, refresh=refresh, window=window,
                      lease_timeout=lease_timeout, pool_size=threads)
-    server: Any = waitress.create_server(app, host=host, port=port, threads=threads,
-                                         ident="pgbroker")
+    server: Any = waitress.server.create_server(app, host=host, port=port, threads=threads,
+                                                ident="pgbroker")
 
     def stop(*_: Any) -> None:
         raise KeyboardInterrupt

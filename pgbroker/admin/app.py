@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from typing import Any
 
 from flask import Flask
 from psycopg_pool import ConnectionPool
@@ -68,13 +69,17 @@ def create_app(database_url: str, schema: str = "pgbroker", credentials: Credent
         MAX_CONTENT_LENGTH=64 * 1024,
     )
     q = Queries(schema)
+
+    def configure(conn: Any) -> None:  # each connection the pool opens
+        q.execute(conn, "admin_connection_setup")
+
     # prepare_threshold None: every statement is planned with its values, so a state or queue
     # given as a parameter still picks its partial index (a generic plan cannot).
     pool = ConnectionPool(conninfo, min_size=1, max_size=pool_size, timeout=10,
                           name="pgbroker-admin", open=True,
                           kwargs={"autocommit": True, "prepare_threshold": None,
                                   **_db.connect_kwargs("pgbroker admin")},
-                          configure=lambda conn: q.execute(conn, "admin_connection_setup"))
+                          configure=configure)
     reader = MetricsReader(schema, window=window, lease_timeout=lease_timeout)
     state = AdminState(pool, schema, credentials, reader, refresh, None,
                        throttle or LoginThrottle(), q, reader.lease_timeout)

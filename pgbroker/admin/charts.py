@@ -69,7 +69,7 @@ def _nice(top: float, whole: bool = False) -> float:
     """The axis' top: four grid steps of a round size (1, 2, 2.5 or 5 times a power of ten;
     a whole number for counts) reaching ``top``."""
     step = max(top, 1e-9) / 4
-    power = 10 ** math.floor(math.log10(step))
+    power: float = 10 ** math.floor(math.log10(step))
     step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= step)
     return 4 * (max(1.0, math.ceil(step)) if whole else step)
 
@@ -174,11 +174,10 @@ def line_chart(title: str, points: Sequence[Point], win: Window, series: Sequenc
     top = _nice_ms(max(values, default=0)) if durations else _nice(max(values, default=0), True)
     fmt = format_ms if durations else format_count
     if values:
-        last = next((p for p in reversed(points) if series[0].value(p) is not None), None)
+        last = next((v for p in reversed(points) if (v := series[0].value(p)) is not None), None)
         summary = (f"highest {series[0].label if len(series) == 1 else 'value'} "
                    f"{fmt(max(values))}" +
-                   (f"; latest {series[0].label} {fmt(series[0].value(last))}"
-                    if last is not None else ""))
+                   (f"; latest {series[0].label} {fmt(last)}" if last is not None else ""))
     else:
         summary = empty
     out = _frame(title, summary, points, win, top, fmt)
@@ -195,10 +194,10 @@ def line_chart(title: str, points: Sequence[Point], win: Window, series: Sequenc
             runs[-1].append(f"{x:.1f},{y:.1f}")
         for run in runs:
             if len(run) == 1:  # a lone value: a dot, or it would not show at all
-                x, y = run[0].split(",")
-                out.append(f'<circle class="{s.css} dot" cx="{x}" cy="{y}" r="2.2"/>')
+                cx, cy = run[0].split(",")
+                out.append(f'<circle class="{s.css} dot" cx="{cx}" cy="{cy}" r="2.2"/>')
             elif run:
                 out.append(f'<polyline class="{s.css} line" points="{" ".join(run)}"/>')
     return _finish(out, points, win, lambda p: ", ".join(
-        f"{s.label} {fmt(v) if (v := s.value(p)) is not None else '–'}" for s in series),
+        f"{s.label} {'–' if (w := s.value(p)) is None else fmt(w)}" for s in series),
         None if values else empty)

@@ -13,8 +13,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
-from flask import Response, current_app, g, redirect, request
+from flask import current_app, g, redirect, request
 from psycopg_pool import ConnectionPool
+from werkzeug.wrappers import Response as BaseResponse
 
 from .._pg.catalogue import Queries
 from ..errors import DatabaseUnavailable
@@ -107,7 +108,7 @@ def local_target(target: str | None, default: str) -> str:
     return cleaned
 
 
-def back(default: str = "/") -> Response:
+def back(default: str = "/") -> BaseResponse:
     # script_root: the app mounted under a prefix (pgbroker.contrib.django.operator)
     return redirect(request.script_root + local_target(request.form.get("next"), default),
                     code=303)

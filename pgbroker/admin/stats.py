@@ -73,7 +73,8 @@ class Histogram:
                 share = (rank - seen) / n if n else 0.0
                 if bucket <= 0:
                     return low + (high - low) * share
-                return low * (high / low) ** share
+                value: float = low * (high / low) ** share
+                return value
             seen += n
         return self.bounds(max(self.counts))[1]
 

@@ -31,7 +31,7 @@ _CHOSEN = ("--database-url", "-A", "--app")
                add_help_option=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def pgbroker(ctx: click.Context, args: tuple[str, ...], **_: Any) -> None:
+def pgbroker(ctx: click.Context, /, args: tuple[str, ...], **_: Any) -> None:
     """pgbroker's command line on this app's broker (celery -A proj pgbroker --help)."""
     argv = list(args)
     app = ctx.find_root().params.get("app")

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, func: Callable[..., Any], help: str,
                 where: Any = sub) -> argparse.ArgumentParser:
-        p = where.add_parser(name, help=help, description=help, parents=[common])
+        p: argparse.ArgumentParser = where.add_parser(name, help=help, description=help,
+                                                      parents=[common])
         p.set_defaults(func=func)
         return p
 

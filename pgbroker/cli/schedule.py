@@ -36,7 +36,8 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -
 
     def action(name: str, func: Callable[[Schedules, argparse.Namespace], int],
                help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, parents=parents)
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help,
+                                                    parents=parents)
         p.set_defaults(func=_with_schedules(func))
         return p
 

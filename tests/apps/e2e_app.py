@@ -57,7 +57,8 @@ def _db() -> psycopg.Connection:
 def record(task, key: str) -> None:
     req = task.request
     _db().execute(
-        "INSERT INTO public.runs (task, key, pid, retries, redelivered) VALUES (%s, %s, %s, %s, %s)",
+        "INSERT INTO public.runs (task, key, pid, retries, redelivered)"
+        " VALUES (%s, %s, %s, %s, %s)",
         (task.name.rsplit(".", 1)[-1], key, os.getpid(), req.retries or 0,
          (req.delivery_info or {}).get("redelivered")),
     )
@@ -129,9 +130,9 @@ def boom(self, key: str) -> None:
 
 # -- remote control (tests/e2e/test_remote_control.py) -------------------------------------------
 # Imported here, not at the top: this section is appended for the remote-control tests.
-import hashlib
+import hashlib  # noqa: E402 - the section's own imports
 
-from celery.worker.control import control_command
+from celery.worker.control import control_command  # noqa: E402
 
 
 @control_command(args=[("payload", str)], signature="<payload>")

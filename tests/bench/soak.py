@@ -21,8 +21,8 @@ sweeper's VACUUM fallback (pgbroker._pg.vacuum.VacuumFallback) every 15 s, as ev
 does.
 
 Printed: a line per sample, then a table; ``soak-<autovacuum>.json`` in ``--out`` holds every
-figure, and ``--plot`` draws the claim and the sizes against tasks done (matplotlib, the ``bench`` extra). Nothing is
-asserted about speed.
+figure, and ``--plot`` draws the claim and the sizes against tasks done (matplotlib, the ``bench``
+extra). Nothing is asserted about speed.
 
 Run::
 
@@ -125,7 +125,8 @@ def sample(pg: psycopg.Connection, tasks: int, started: float) -> dict[str, Any]
     sizes = pg.execute(
         "SELECT pg_relation_size('pgbroker.jobs_live'), pg_indexes_size('pgbroker.jobs_live'),"
         " pg_relation_size('pgbroker.jobs_done'), pg_indexes_size('pgbroker.jobs_done'),"
-        " (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'pgbroker.jobs_live'::regclass),"
+        " (SELECT n_dead_tup FROM pg_stat_user_tables"
+        " WHERE relid = 'pgbroker.jobs_live'::regclass),"
         " (SELECT count(*) FROM pgbroker.jobs_live WHERE state = 'pending'),"
         " (SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables"
         "  WHERE relid = 'pgbroker.jobs_live'::regclass)").fetchone()

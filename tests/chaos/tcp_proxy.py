@@ -67,7 +67,7 @@ class TcpProxy:
         #: connections accepted so far (a reconnecting client shows up here)
         self.accepted = 0
 
-    def __enter__(self) -> TcpProxy:  # noqa: PYI034 - Python 3.10 has no typing.Self
+    def __enter__(self) -> TcpProxy:  # Python 3.10 has no typing.Self
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -29,7 +29,7 @@ from celery import Celery
 
 from pgbroker.admin import create_app
 from pgbroker.admin.auth import Credentials
-from tests.chaos.load import CHAOS_TASKS, LoadProducer, tally, wait_all_completed
+from tests.chaos.load import CHAOS_TASKS, LoadProducer, wait_all_completed
 from tests.chaos.replication import Cluster, cluster
 from tests.apps import e2e_app as e2e
 from tests.apps.beat_app import TICK
@@ -181,7 +181,7 @@ def test_beat_result_backend_and_admin_reconnect_after_failover(
           f"primary; {len(occurrences)} beat occurrences, none twice")
 
 
-def _retry(call):  # noqa: ANN001, ANN202 - a predicate for wait_for that may raise meanwhile
+def _retry(call):  # a predicate for wait_for that may raise meanwhile
     try:
         return call()
     except Exception:  # noqa: BLE001 - not reconnected yet: try again

@@ -9,8 +9,8 @@ retries, the jobs browser with a bulk retry (confirmed, with its count) and a bu
 entries disabled and run now; a viewer sees the same pages without a single action, and a cookie
 saved before a logout opens nothing after it. The test takes the screenshots the docs show
 (docs/admin*.png): into the test's own directory, or into docs/ with PGBROKER_SCREENSHOTS=docs
-(so that a test run never changes the checkout); an hour of history is inserted first, as the transport leaves it, so that the
-charts have something to show.
+(so that a test run never changes the checkout); an hour of history is inserted first, as the
+transport leaves it, so that the charts have something to show.
 """
 
 from __future__ import annotations

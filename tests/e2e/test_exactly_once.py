@@ -53,7 +53,7 @@ def _committing(pg: psycopg.Connection) -> bool:
 @pytest.mark.parametrize("stop,driver", [("before", "psycopg"), ("during", "psycopg"),
                                          ("after", "psycopg"), ("before", "sqlalchemy"),
                                          ("after", "sqlalchemy")])
-def test_killed_worker_runs_the_task_exactly_once(producer: Celery, broker_url: str,
+def test_killed_worker_runs_the_task_exactly_once(producer: Celery, broker_url: str,  # noqa: F811
                                                   pg: psycopg.Connection, stop: str,
                                                   driver: str) -> None:
     key = f"exact-{stop}-{driver}"
@@ -93,7 +93,7 @@ def test_killed_worker_runs_the_task_exactly_once(producer: Celery, broker_url: 
     assert len(_rows(pg, key)) == 1
 
 
-def test_late_failure_and_bad_use(producer: Celery, broker_url: str,
+def test_late_failure_and_bad_use(producer: Celery, broker_url: str,  # noqa: F811
                                   pg: psycopg.Connection) -> None:
     """A task that raises after completing and committing stays completed (its hook changes
     nothing); completing on an autocommit connection is refused, and the job is dead with why."""

@@ -100,7 +100,7 @@ def test_a_queue_is_ready_until_its_oldest_job_waits_too_long(
 
 
 def test_beat_is_on_time_while_it_runs_and_overdue_once_it_stops(
-        tf_url: str, broker_url: str, health: Health) -> None:  # noqa: F811
+        tf_url: str, broker_url: str, health: Health) -> None:
     start_ticketflow_worker(broker_url)
     beat = run_beat("ticketflow", broker_url, env={ENV_EXPIRE_INTERVAL: "1"})
     check = ("beat", "--entry", "expire-reservations", "--grace", "2")

@@ -58,7 +58,7 @@ def test_inspect_answers_within_its_timeout_while_the_process_publishes(
     except subprocess.TimeoutExpired:
         client.kill()
         out, err = client.communicate()
-        raise AssertionError(f"the client hung; its calls so far:\n{out}\n{err[-3000:]}")
+        raise AssertionError(f"the client hung; its calls so far:\n{out}\n{err[-3000:]}") from None
     calls = [json.loads(line) for line in out.splitlines()]
     assert client.returncode == 0 and len(calls) == CALLS, err[-3000:]
     assert [c["error"] for c in calls] == [None] * CALLS

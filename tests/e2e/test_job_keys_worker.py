@@ -61,7 +61,8 @@ def max_overlap(pg: psycopg.Connection, where: str = "true") -> int:
 
 # -- 1. dedupe while queued ------------------------------------------------------------------------
 
-def test_dedupe_active_drops_requests_while_the_sync_runs(producer: Celery, runs: psycopg.Connection,
+def test_dedupe_active_drops_requests_while_the_sync_runs(producer: Celery,
+                                                          runs: psycopg.Connection,
                                                           broker_url: str) -> None:
     start_worker(broker_url, "-c", "2", app=APP)
     headers = {"dedupe_key": "sync:source-7", "dedupe_active": True}

@@ -59,7 +59,7 @@ def _hang_twice(pg: psycopg.Connection) -> None:
         app_module.hang.apply_async((f"h{i}",), task_id=f"h{i}", headers={"max_attempts": 50})
 
 
-def test_six_whole_worker_kills_pause_nothing(producer: Celery, broker_url: str,
+def test_six_whole_worker_kills_pause_nothing(producer: Celery, broker_url: str,  # noqa: F811
                                               pg: psycopg.Connection) -> None:
     _hang_twice(pg)
     started = time.monotonic()
@@ -83,7 +83,7 @@ def test_six_whole_worker_kills_pause_nothing(producer: Celery, broker_url: str,
 
 
 @pytest.mark.parametrize("shutdown", ["warm", "soft"])
-def test_a_worker_told_to_stop_then_killed_adds_no_loss(producer: Celery, broker_url: str,
+def test_a_worker_told_to_stop_then_killed_adds_no_loss(producer: Celery, broker_url: str,  # noqa: F811
                                                         pg: psycopg.Connection,
                                                         shutdown: str) -> None:
     """A rolling deploy: SIGTERM, the tasks run on, SIGKILL when the grace period ends. Warm:
@@ -113,7 +113,7 @@ def test_a_worker_told_to_stop_then_killed_adds_no_loss(producer: Celery, broker
 
 
 def test_a_task_that_kills_its_pool_process_five_times_pauses_its_type(
-        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:
+        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:  # noqa: F811
     paused_by = _worker(broker_url)
     started = time.monotonic()
     app_module.crash.apply_async(("c1",), task_id="c1", headers={"max_attempts": 20})
@@ -131,7 +131,7 @@ def test_a_task_that_kills_its_pool_process_five_times_pauses_its_type(
     paused_by.stop()
 
 
-def test_a_task_that_rejects_with_requeue_pauses_nothing(producer: Celery, broker_url: str,
+def test_a_task_that_rejects_with_requeue_pauses_nothing(producer: Celery, broker_url: str,  # noqa: F811
                                                          pg: psycopg.Connection) -> None:
     """A requeue alone is no evidence: only Celery's WorkerLostError, seen in the request,
     says that the pool process died."""

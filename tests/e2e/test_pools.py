@@ -15,7 +15,7 @@ OPTIONS = SHORT_LEASE
 
 
 def test_a_process_over_its_memory_cap_is_replaced_after_its_job(
-        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:
+        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:  # noqa: F811
     heavy = worker(broker_url, OPTIONS, "-c", "1", "--prefetch-multiplier", "1",
                    "--max-memory-per-child", "100000")   # KiB: ~100 MB
     before = set(heavy.child_pids())

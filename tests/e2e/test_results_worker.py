@@ -72,7 +72,8 @@ def test_result_extended_fields_are_stored(
         "SELECT name, args, kwargs, worker, retries, queue, date_done IS NOT NULL "
         "FROM pgbroker.results WHERE task_id = %s", (res.id,)).fetchone()
     assert row == (NAME + "add", [3, 4], {}, row[3], 0, "celery", True)
-    assert row[3].startswith("w")  # the worker's node name (tests.support.processes: w<pid>-...@host)
+    # the worker's node name (tests.support.processes: w<pid>-...@host)
+    assert row[3].startswith("w")
     # and Celery reads them back
     assert (res.name, res.args, res.kwargs, res.queue) == (NAME + "add", [3, 4], {}, "celery")
 

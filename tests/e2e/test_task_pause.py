@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import psycopg
-import pytest
 from celery import Celery
 from psycopg.rows import dict_row
 
@@ -48,7 +47,7 @@ def _paused(pg: psycopg.Connection) -> dict[str, dict[str, Any]]:
 
 
 def test_pool_process_killed_three_times_in_a_row_pauses_the_task(
-        producer: Celery, broker_url: str, pg: psycopg.Connection, db_url: str) -> None:
+        producer: Celery, broker_url: str, pg: psycopg.Connection, db_url: str) -> None:  # noqa: F811
     worker = _worker(broker_url)
     app_module.crash.apply_async(("c1",), task_id="c1", headers={"max_attempts": 20})
     wait_for(lambda: _paused(pg), 90, message="the crash task to be paused")
@@ -98,7 +97,7 @@ def test_pool_process_killed_three_times_in_a_row_pauses_the_task(
     worker.stop()
 
 
-def test_a_completed_delivery_ends_the_streak(producer: Celery, broker_url: str,
+def test_a_completed_delivery_ends_the_streak(producer: Celery, broker_url: str,  # noqa: F811
                                               pg: psycopg.Connection) -> None:
     """Two losses, a success, two losses: never three in a row, never paused."""
     worker = _worker(broker_url, "-c", "1")
@@ -121,7 +120,7 @@ def test_a_completed_delivery_ends_the_streak(producer: Celery, broker_url: str,
 
 
 def test_lost_worker_failures_and_sweeper_rescues_count_and_signal(
-        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:
+        producer: Celery, broker_url: str, pg: psycopg.Connection) -> None:  # noqa: F811
     """Without task_reject_on_worker_lost Celery fails the task (WorkerLostError): each counts,
     and each dead job is signalled. A whole worker SIGKILLed: the sweeper rescues its job,
     counts the loss, and signals the job dead when it was its last attempt."""
@@ -161,7 +160,7 @@ def test_lost_worker_failures_and_sweeper_rescues_count_and_signal(
     second.stop()
 
 
-def test_pgbroker_sweep_signals_in_its_own_process(producer: Celery, broker_url: str,
+def test_pgbroker_sweep_signals_in_its_own_process(producer: Celery, broker_url: str,  # noqa: F811
                                                    pg: psycopg.Connection, db_url: str) -> None:
     """``pgbroker -A app sweep`` imports the app's modules, so their receivers hear the jobs it
     makes dead: the signal comes from the CLI's process."""

@@ -47,7 +47,7 @@ def log_in(app: Flask, user: str = "alice", password: str = "correct horse",
     "https%3A%2F%2Fevil.example%2F",
     "%2F%09%5C%09evil.example",
 ])
-def test_login_never_redirects_off_site(app: Flask, target: str) -> None:  # noqa: F811
+def test_login_never_redirects_off_site(app: Flask, target: str) -> None:
     client = app.test_client()
     token = csrf_of(client.get("/login").text)
     response = client.post(f"/login?next={target}",
@@ -237,7 +237,7 @@ def test_the_viewer_token_scrapes_metrics(app: Flask) -> None:
 
 # -- a thousand idle queues ----------------------------------------------------------------------
 
-def test_idle_queues_are_counted_not_listed_in_the_live_overview(app: Flask,  # noqa: F811
+def test_idle_queues_are_counted_not_listed_in_the_live_overview(app: Flask,
                                                                  pg: psycopg.Connection) -> None:
     pg.execute("INSERT INTO pgbroker.queues (name) SELECT 'idle-' || i || repeat('x', 200)"
                " FROM generate_series(1, 1000) AS i")

@@ -112,7 +112,7 @@ def test_statistics_older_than_a_week_are_dropped(pg: psycopg.Connection, store:
     assert pg.execute("SELECT count(*) FROM pgbroker.stats_finished").fetchone() == (1,)
 
 
-def test_the_charts_show_rolled_up_and_live_minutes(client: FlaskClient,  # noqa: F811
+def test_the_charts_show_rolled_up_and_live_minutes(client: FlaskClient,
                                                     pg: psycopg.Connection) -> None:
     for minutes in (30, 20, 3):
         for _ in range(2):
@@ -138,7 +138,7 @@ def test_the_charts_show_rolled_up_and_live_minutes(client: FlaskClient,  # noqa
     assert 'data-task="t.a"' in past
 
 
-def test_charts_of_one_queue_and_task(client: FlaskClient,  # noqa: F811
+def test_charts_of_one_queue_and_task(client: FlaskClient,
                                       pg: psycopg.Connection) -> None:
     pg.execute("INSERT INTO pgbroker.queues (name) VALUES ('q2')")
     finished(pg, "completed", minute_ago(pg, 4))

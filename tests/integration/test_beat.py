@@ -459,7 +459,8 @@ def test_cli_schedule_list_enable_disable(cli: Run, start: Start, pg: psycopg.Co
 
     code, out, _ = cli("schedule", "disable", "tick", "--schema", "pgbroker")
     assert (code, out.strip()) == (0, "schedule entry tick disabled")
-    assert cli("schedule", "disable", "tick")[1].strip() == "schedule entry tick was already disabled"
+    assert (cli("schedule", "disable", "tick")[1].strip()
+            == "schedule entry tick was already disabled")
     assert beat.run_once(at(2025, 1, 6, 12, 5, 0)) == []  # picked up without a restart
     code, out, _ = cli("schedule", "list", "--json")
     rows = {r["name"]: r for r in json.loads(out)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import uuid
 
 import psycopg
-import pytest
 
 from pgbroker._model.claimed import after_params
 from pgbroker._pg.catalogue import queries

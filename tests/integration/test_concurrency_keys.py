@@ -16,7 +16,6 @@ import uuid
 from typing import Any
 
 import psycopg
-import pytest
 
 from pgbroker._pg.store import Store
 from pgbroker.sweeper import Sweeper

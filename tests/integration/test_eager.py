@@ -98,7 +98,8 @@ def test_exceptions_propagate_as_celery_says(eager: Celery, pg: psycopg.Connecti
         pgbroker.enqueue(pg, "eager.fail", app=eager)
 
 
-def test_aenqueue_and_aenqueue_many_run_the_task_now(eager: Celery, pg: psycopg.Connection, db_url: str) -> None:
+def test_aenqueue_and_aenqueue_many_run_the_task_now(eager: Celery, pg: psycopg.Connection,
+                                                      db_url: str) -> None:
     async def main() -> list[uuid.UUID]:
         async with await psycopg.AsyncConnection.connect(db_url) as conn:
             one = await pgbroker.aenqueue(conn, "eager.add", (7, 8), app=eager)

@@ -24,7 +24,6 @@ import psycopg
 import pytest
 from celery import Celery, chain, group
 from celery._state import _task_stack
-from celery.utils.saferepr import saferepr
 from kombu.exceptions import EncodeError
 from kombu.serialization import loads
 from psycopg.rows import dict_row

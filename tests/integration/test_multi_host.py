@@ -1,9 +1,9 @@
 """Connections over a multi-host URL with ``target_session_attrs=read-write``: the server that
 took a process's last connection is tried first by the next (``pgbroker._pg.driver.connect``), and a
 connection left on another server is given up (``_db.superseded``), with the acks of the event
-loop's claim in flight made on the new server. The scenario it is for, an old primary whose address went dark, is
-tests/chaos/test_blackholed_primary.py; here a real server and a closed port stand for the
-promoted primary and the old one.
+loop's claim in flight made on the new server. The scenario it is for, an old primary whose
+address went dark, is tests/chaos/test_blackholed_primary.py; here a real server and a closed port
+stand for the promoted primary and the old one.
 """
 
 from __future__ import annotations

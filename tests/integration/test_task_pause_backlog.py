@@ -83,7 +83,7 @@ def test_a_paused_backlog_is_not_read_by_the_claim_and_comes_back_unchanged_in_o
         # the head of q1: 400 jobs of the paused name (mixed priorities), older than the rest
         for i in range(400):
             add_job(pg, "pending", task=PAUSED, priority=i % 3, task_id=f"p{i}",
-                    run_at=now - timedelta(hours=2, seconds=-i), headers='{"n": %d}' % i)
+                    run_at=now - timedelta(hours=2, seconds=-i), headers=f'{{"n": {i}}}')
         add_job(pg, "scheduled", task=PAUSED, run_at=now + timedelta(hours=1))
         others = [add_job(pg, "pending", task=OTHER, run_at=now - timedelta(hours=1, seconds=-i))
                   for i in range(30)]

@@ -35,7 +35,8 @@ REPLY_QUEUES = "%.reply.celery.pidbox"
 
 
 def node(worker: WorkerProcess) -> str:
-    """The Celery node name of a worker started by ``tests.support.processes.run_worker`` (``-n name@%h``)."""
+    """The Celery node name of a worker started by ``tests.support.processes.run_worker``
+    (``-n name@%h``)."""
     return f"{worker.name}@{gethostname()}"
 
 

@@ -8,7 +8,6 @@ fixtures of tests/conftest.py) and read the outcome from the ``jobs`` table with
 from __future__ import annotations
 
 import json
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -76,7 +75,7 @@ def drain_until(conn: kombu.Connection, predicate: Callable[[], Any], timeout: f
             raise AssertionError(f"timed out after {timeout}s draining events for {text}")
         try:
             conn.drain_events(timeout=min(left, 1.0))
-        except socket.timeout:
+        except TimeoutError:
             pass
 
 
@@ -122,7 +121,7 @@ class Collector:
         before = len(self.received)
         try:
             self.conn.drain_events(timeout=seconds)
-        except socket.timeout:
+        except TimeoutError:
             pass
         return len(self.received) == before
 

@@ -40,7 +40,8 @@ def code_lines(text: str) -> int:
 
 
 def test_code_lines_counts_code_only() -> None:
-    text = '"""Doc\nstring."""\n\n# a comment\nx = 1  # trailing\n\ndef f():\n    """Doc."""\n    return (1,\n            2)\n'
+    text = ('"""Doc\nstring."""\n\n# a comment\nx = 1  # trailing\n\ndef f():\n    """Doc."""\n'
+            '    return (1,\n            2)\n')
     assert code_lines(text) == 4  # x = 1, def f():, and the two lines of the return
 
 

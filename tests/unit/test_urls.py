@@ -176,7 +176,7 @@ def test_as_uri_hides_the_password_and_keeps_the_scheme(url: str) -> None:
     assert SECRET not in repr(conn)
     # the libpq URL's password lives in kombu's password field once the transport exists
     # (Celery prints the hostname in inspect stats, never the password)
-    conn.transport
+    conn.transport  # noqa: B018 - made on first access
     assert SECRET not in conn.hostname and conn.password == SECRET
     assert SECRET not in conn.as_uri()
 def test_as_uri_marks_where_the_password_was() -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import psycopg
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import AdaptedConnection, Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+from sqlalchemy.ext.asyncio.exc import AsyncContextNotStarted
 from sqlalchemy.orm import Session
 
 from .sqlalchemy_session import driver_of, listening
@@ -63,11 +64,18 @@ class AsyncSQLAlchemyConnector:
         """Flush (awaited in SQLAlchemy's greenlet) before a commit, discard at a rollback."""
         def on_flush(target: Session | Connection, *_: Any) -> None:
             conn = target.connection() if isinstance(target, Session) else target
-            conn.connection.dbapi_connection.run_async(lambda _driver: flush())
+            # the DBAPI connection of an async driver is SQLAlchemy's adapter of it
+            adapted = cast(AdaptedConnection, conn.connection.dbapi_connection)
+            adapted.run_async(lambda _driver: flush())
 
         return listening(self._sync(), on_flush, lambda *_: discard())
 
     def _sync(self) -> Session | Connection:
         """The synchronous Session or Connection under ours: its events are ours."""
         db = self._own()
-        return db.sync_session if isinstance(db, AsyncSession) else db.sync_connection
+        if isinstance(db, AsyncSession):
+            return db.sync_session
+        if db.sync_connection is None:  # SQLAlchemy's own error for it, not an AttributeError
+            raise AsyncContextNotStarted("AsyncConnection context has not been started and object "
+                                         "has not been awaited.")
+        return db.sync_connection

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy import event
@@ -19,6 +19,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, scoped_session
 
 __all__ = ["SQLAlchemyConnector", "driver_of", "listening"]
+
+T = TypeVar("T")
 
 
 class SQLAlchemyConnector:
@@ -50,7 +52,7 @@ class SQLAlchemyConnector:
         return listening(db, lambda *_: flush(), lambda *_: discard())
 
 
-def driver_of(db: Any, driver: Any, kind: type[Any]) -> Any:
+def driver_of(db: Any, driver: Any, kind: type[T]) -> T:
     """``driver``, the DBAPI connection under SQLAlchemy connection ``db``, if it is a psycopg
     ``kind`` (``Connection`` or ``AsyncConnection``); else the TypeError that says so."""
     if isinstance(driver, kind):
@@ -67,6 +69,7 @@ def listening(db: Session | Connection, on_flush: Callable[..., None],
     """While open, ``on_flush`` before ``db`` commits and ``on_discard`` at its rollback,
     called with the event's arguments (its first: the Session or Connection). A Session's
     events outlive its connections; a Connection's are its own."""
+    listeners: list[tuple[Session | Connection, str, Callable[..., None]]]
     if isinstance(db, Session):
         listeners = [(db, "before_commit", on_flush), (db, "after_rollback", on_discard)]
     else:

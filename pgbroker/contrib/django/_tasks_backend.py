@@ -33,11 +33,11 @@ from . import conf, transaction
 from .conf import TASK_NAME
 
 try:  # optional: Django 6's task framework, else the django-tasks backport
-    from django.tasks import (  # type: ignore[import-not-found]
+    from django.tasks import (
         DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE, TaskResult, TaskResultStatus)
-    from django.tasks.backends.base import BaseTaskBackend  # type: ignore[import-not-found]
-    from django.tasks.base import TaskError  # type: ignore[import-not-found]
-    from django.tasks.exceptions import (  # type: ignore[import-not-found]
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import TaskError
+    from django.tasks.exceptions import (
         InvalidTaskError, TaskResultDoesNotExist)
 except ImportError:
     from django_tasks import DEFAULT_TASK_QUEUE_NAME as DEFAULT_QUEUE
@@ -95,8 +95,9 @@ class Backend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> Any:
         schema = conf.settings().schema
-        [row] = Queries(schema).dicts(driver_connection(connections[self.database]),
-                                      "job_get_for_django_task", {"task_id": result_id}) or [None]
+        row = next(iter(Queries(schema).dicts(driver_connection(connections[self.database]),
+                                              "job_get_for_django_task", {"task_id": result_id})),
+                   None)  # at most one (LIMIT 1)
         if row is None:
             raise TaskResultDoesNotExist(result_id)
         module_path, args, kwargs = loads(

@@ -47,7 +47,7 @@ _POSTGRES = ("postgres", "postgresql")
 
 def _recorded(db: Any) -> bool:
     recorder = MigrationRecorder(db)
-    return recorder.has_table() and recorder.migration_qs.filter(app=LABEL).exists()
+    return bool(recorder.has_table() and recorder.migration_qs.filter(app=LABEL).exists())
 
 
 def check_schema_present(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:

@@ -15,8 +15,8 @@ page's own CSRF token (kept in the Django session), so the view is exempt from D
 
 The app is made once per process, on the project's broker database (else
 ``DATABASES["default"]``) and schema, with a pool of its own. Limits: the response is read whole
-before it is returned (the pages are small; no streaming); ``/metrics`` below the mount needs a staff login
-too -- a Prometheus scraper keeps using ``manage.py pgbroker serve``'s.
+before it is returned (the pages are small; no streaming); ``/metrics`` below the mount needs a
+staff login too -- a Prometheus scraper keeps using ``manage.py pgbroker serve``'s.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from django.utils.module_loading import import_string
 
 from .conf import TASK_NAME
 
-__all__ = ["TASK_NAME", "Backend", "run_django_task"]
+__all__ = ["TASK_NAME", "Backend", "run_django_task"]  # noqa: F822 - Backend: __getattr__ below
 
 
 # acks late, and back to the queue when the worker is lost: at least once, as a Django task
