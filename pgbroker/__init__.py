@@ -6,7 +6,7 @@ only ``broker_url = "pgbroker://user@host/db"``.
 
 from __future__ import annotations
 
-from . import signals  # noqa: F401 - public
+from . import signals
 from ._celery import endings as _endings
 from ._celery import failures as _failures
 from ._celery import inspect_scheduled as _inspect_scheduled

@@ -37,7 +37,7 @@ def _client(app: Any, required: bool, name: str | None = None) -> Any:
     try:
         conn = app.connection_for_write()  # no I/O: kombu only parses the URL
         transport, transport_cls = conn.transport_cls, resolve_transport(conn.transport_cls)
-    except Exception as exc:  # noqa: BLE001 - e.g. the client library of another broker
+    except Exception as exc:
         transport = _other_broker(app)
         if transport is None:
             raise ConfigurationError(f"cannot tell the broker of the Celery app {name!r}: "

@@ -15,7 +15,7 @@ import logging
 from time import monotonic
 from typing import Any
 
-from .._model.claimed import END, HEAD, Claimed, Delivery, JobRow, Position, parse_wake, position
+from .._model.claimed import END, HEAD, Claimed, Delivery, JobRow, Position, position
 
 __all__ = ["ClaimPolicy", "WAKE_COALESCE"]
 

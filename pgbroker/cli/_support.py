@@ -116,7 +116,7 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
     app ``name`` (``proj``, ``proj.celery:app``), like ``celery -A``; it must be pgbroker."""
     try:
         app = find_app(name)  # imports from the current directory, as celery -A does
-    except Exception as exc:  # noqa: BLE001 - an import error, a syntax error, a bad name
+    except Exception as exc:
         raise ConfigurationError(f"cannot load the Celery app {name!r}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     broker = broker_of(app, name)
@@ -124,7 +124,8 @@ def _app_broker(name: str) -> tuple[str, str, Settings]:
 
 
 def url_of(args: argparse.Namespace) -> str:
-    return args.database.url
+    url: str = args.database.url
+    return url
 
 
 def connect(args: argparse.Namespace) -> psycopg.Connection[Any]:

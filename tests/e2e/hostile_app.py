@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import time
 
-from tests.apps.e2e_app import app, record  # noqa: F401 - app: what `celery -A` looks for
+from tests.apps.e2e_app import app, record
 # the e2e app's tasks, registered on the same app
-from tests.apps.e2e_app import *  # noqa: F401,F403
+from tests.apps.e2e_app import *  # noqa: F403
 
 
 #: Exception texts PostgreSQL cannot store as they are: a NUL, and a lone surrogate (what
 #: ``os.listdir`` returns for a file name that is not UTF-8).
-TEXTS = {"nul": "bad \x00 name", "surrogate": "bad " + b"caf\xe9".decode("utf-8", "surrogateescape"),
+TEXTS = {"nul": "bad \x00 name",
+         "surrogate": "bad " + b"caf\xe9".decode("utf-8", "surrogateescape"),
          "plain": "plain"}
 
 

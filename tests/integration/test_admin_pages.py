@@ -44,7 +44,7 @@ def shown(html: str) -> list[str]:
 
 # -- the jobs browser ----------------------------------------------------------------------------
 
-def test_browse_by_queue_task_state_time_and_text(client: FlaskClient,  # noqa: F811
+def test_browse_by_queue_task_state_time_and_text(client: FlaskClient,
                                                   pg: psycopg.Connection) -> None:
     now = datetime.now(timezone.utc)
     old = celery_job(pg, "dead", "order 1", now - timedelta(days=2))
@@ -66,7 +66,7 @@ def test_browse_by_queue_task_state_time_and_text(client: FlaskClient,  # noqa: 
     assert "unknown state" in page.text
 
 
-def test_browse_pages_and_windows(client: FlaskClient, app: Any,  # noqa: F811
+def test_browse_pages_and_windows(client: FlaskClient, app: Any,
                                   pg: psycopg.Connection) -> None:
     now = datetime.now(timezone.utc)
     ids = [celery_job(pg, "completed", f"n{i}", now - timedelta(seconds=100 - i))
@@ -90,7 +90,7 @@ def test_browse_pages_and_windows(client: FlaskClient, app: Any,  # noqa: F811
 
 
 def test_bulk_actions_are_confirmed_with_their_count_and_audited(
-        client: FlaskClient, pg: psycopg.Connection) -> None:  # noqa: F811
+        client: FlaskClient, pg: psycopg.Connection) -> None:
     dead = [celery_job(pg, "dead", f"customer 42 order {i}", last_error="boom")
             for i in range(3)]
     spared = celery_job(pg, "dead", "customer 7")
@@ -135,7 +135,7 @@ def test_bulk_actions_are_confirmed_with_their_count_and_audited(
 
 
 def test_a_bulk_action_leaves_jobs_that_came_after_the_confirmation(
-        client: FlaskClient, pg: psycopg.Connection) -> None:  # noqa: F811
+        client: FlaskClient, pg: psycopg.Connection) -> None:
     with client.application.extensions["pgbroker"].connection() as conn:
         ops = Operations(conn, actor="t", via="test")
         celery_job(pg, "pending", "a")
@@ -146,7 +146,7 @@ def test_a_bulk_action_leaves_jobs_that_came_after_the_confirmation(
 
 # -- a job's page --------------------------------------------------------------------------------
 
-def test_a_jobs_page_shows_every_try_of_its_task(client: FlaskClient,  # noqa: F811
+def test_a_jobs_page_shows_every_try_of_its_task(client: FlaskClient,
                                                  pg: psycopg.Connection) -> None:
     tries = [celery_job(pg, state, "x", task_id="celery-7", retries=n,
                         last_error=f"ConnectionError: try {n}" if n < 2 else None)
@@ -154,17 +154,18 @@ def test_a_jobs_page_shows_every_try_of_its_task(client: FlaskClient,  # noqa: F
     client.post("/dead/retry", data={"id": tries[2], "csrf_token": csrf(client)})
     html = client.get(f"/jobs/{tries[0]}").text
     assert "Its tries (3)" in html
-    for n, job_id in enumerate(tries):
+    for job_id in tries:
         assert str(job_id) in html
     assert "ConnectionError: try 1" in html
     assert "(this one)" in html and f'href="/jobs/{tries[2]}"' in html
-    assert f'ended by sending a Celery retry: the task goes on in\n  <a href="/jobs/{tries[1]}"' in html
+    assert (f'ended by sending a Celery retry: the task goes on in\n  <a href="/jobs/{tries[1]}"'
+            in html)
     assert "dead.retry" in html  # the audit rows of every try
     assert "<h2>Arguments</h2>" in html and "&#34;x&#34;" in html
 
 
 def test_tries_that_sent_a_celery_retry_count_as_retried_not_completed(
-        client: FlaskClient, pg: psycopg.Connection) -> None:  # noqa: F811
+        client: FlaskClient, pg: psycopg.Connection) -> None:
     """Rows as pgbroker._celery.endings and the acks leave them (two tries that sent a retry, the
     last
     one dead, and one plain completion): the overview, /metrics and the job page say retried."""
@@ -190,7 +191,7 @@ def test_tries_that_sent_a_celery_retry_count_as_retried_not_completed(
 # -- workers -------------------------------------------------------------------------------------
 
 def test_the_workers_page_shows_each_consumer_and_what_it_runs(
-        client: FlaskClient, pg: psycopg.Connection) -> None:  # noqa: F811
+        client: FlaskClient, pg: psycopg.Connection) -> None:
     alive, late, lost = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     for cid, host, age, queues in ((alive, "web-1", 1, ["q1"]), (late, "web-2", 15, ["q1"]),
                                    (lost, "web-3", 3600, ["q1"]),
@@ -218,7 +219,7 @@ def test_the_workers_page_shows_each_consumer_and_what_it_runs(
 
 # -- beat ----------------------------------------------------------------------------------------
 
-def test_beat_entries_enable_disable_and_run_now(client: FlaskClient,  # noqa: F811
+def test_beat_entries_enable_disable_and_run_now(client: FlaskClient,
                                                  pg: psycopg.Connection) -> None:
     Schedules(pg, actor="t", via="test").add("report", "app.report", 3600.0)
     html = client.get("/beat").text
@@ -241,7 +242,7 @@ def test_beat_entries_enable_disable_and_run_now(client: FlaskClient,  # noqa: F
                        "schedule.enable"]
 
 
-def test_paused_queues_are_listed_with_who_paused_them(client: FlaskClient,  # noqa: F811
+def test_paused_queues_are_listed_with_who_paused_them(client: FlaskClient,
                                                        pg: psycopg.Connection) -> None:
     client.post("/queues/pause", data={"queue": "q1", "csrf_token": csrf(client)})
     for path in ("/", "/beat"):

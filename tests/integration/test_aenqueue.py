@@ -29,7 +29,8 @@ import pgbroker
 from pgbroker._model.claimed import parse_wake
 from pgbroker.errors import IdempotencyKeyRequired, SchemaError
 from tests.support.enqueue import (
-    ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts, rows_of)
+    ASYNC_KINDS, AsyncRecorder, Recorder, asynchronous, comparable, opened, pgbroker_inserts,
+    rows_of)
 from tests.integration.test_enqueue import (  # noqa: F401 - app and mixed_app are fixtures
     BAD_CALLS, app, decoded_body, jobs, listener, mixed_app, mixed_items, notifications, things)
 
@@ -61,7 +62,7 @@ async def lock_waits(pg: psycopg.Connection, count: int) -> None:
 
 @asynchronous
 async def test_aenqueue_writes_what_enqueue_writes_in_the_callers_transaction(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     async with opened(kind, db_url) as caller:
         await caller.execute("INSERT INTO public.things VALUES ('order-1')")
         job_id = await pgbroker.aenqueue(caller.db, app.tasks["t.add"], (2, 3), queue="orders")
@@ -79,7 +80,7 @@ async def test_aenqueue_writes_what_enqueue_writes_in_the_callers_transaction(
 
 @asynchronous
 async def test_a_rollback_leaves_no_job_and_no_notification(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     listen = listener(db_url)
     try:
         async with opened(kind, db_url) as caller:
@@ -98,7 +99,7 @@ async def test_a_rollback_leaves_no_job_and_no_notification(
 
 @asynchronous
 async def test_the_wake_up_notification_comes_with_the_commit(
-        kind: str, db_url: str, app: Celery) -> None:
+        kind: str, db_url: str, app: Celery) -> None:  # noqa: F811
     listen = listener(db_url)
     try:
         async with opened(kind, db_url) as caller:
@@ -115,7 +116,7 @@ async def test_the_wake_up_notification_comes_with_the_commit(
 
 @asynchronous
 async def test_a_duplicate_key_returns_the_existing_job_without_an_error(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     pay = app.tasks["t.pay"]
     async with opened(kind, db_url) as caller:
         first = await pgbroker.aenqueue(caller.db, pay, (10,), idempotency_key="refund-1")
@@ -135,7 +136,7 @@ async def test_a_duplicate_key_returns_the_existing_job_without_an_error(
 
 @asynchronous
 async def test_a_required_key_is_refused_and_the_transaction_still_works(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     async with opened(kind, db_url) as caller:
         await caller.execute("INSERT INTO public.things VALUES ('refund-1')")
         with pytest.raises(IdempotencyKeyRequired, match="'t.pay' requires an idempotency key"):
@@ -152,7 +153,7 @@ async def test_a_required_key_is_refused_and_the_transaction_still_works(
 @pytest.mark.parametrize("first_commits", [True, False], ids=["commit", "rollback"])
 @asynchronous
 async def test_a_concurrent_duplicate_waits_without_blocking_the_event_loop(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection, first_commits: bool) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection, first_commits: bool) -> None:  # noqa: F811
     """The second insert waits on the first transaction's uncommitted key, and the event loop
     runs on meanwhile: the first transaction ends from the same loop (a blocking wait would
     never let it). After a commit the second gets the first job's id, after a rollback its own."""
@@ -175,7 +176,7 @@ async def test_a_concurrent_duplicate_waits_without_blocking_the_event_loop(
 
 @asynchronous
 async def test_aenqueue_many_pipelines_its_batches_and_resolves_duplicates(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     async with opened(kind, db_url) as caller:
         existing = await pgbroker.aenqueue(caller.db, "t.pay", (0,), app=app,
                                            idempotency_key="k0")
@@ -195,7 +196,7 @@ async def test_aenqueue_many_pipelines_its_batches_and_resolves_duplicates(
 
 @asynchronous
 async def test_aenqueue_many_writes_the_rows_enqueue_many_writes(
-        db_url: str, mixed_app: Celery, pg: psycopg.Connection) -> None:
+        db_url: str, mixed_app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     items = mixed_items(mixed_app)
     async with opened("async_psycopg", db_url) as caller:
         ids = await pgbroker.aenqueue_many(caller.db, items, app=mixed_app, batch_size=100)
@@ -210,7 +211,7 @@ async def test_aenqueue_many_writes_the_rows_enqueue_many_writes(
                          ids=[c[0] for c in BAD_CALLS])
 @asynchronous
 async def test_bad_input_is_refused_before_anything_is_written(
-        db_url: str, app: Celery, pg: psycopg.Connection, call: Callable[[Any, Any, Celery], Any],
+        db_url: str, app: Celery, pg: psycopg.Connection, call: Callable[[Any, Any, Celery], Any],  # noqa: F811
         error: type[Exception], match: str) -> None:
     pg.execute("CREATE TABLE public.things (name text PRIMARY KEY)")
     async with opened("async_psycopg", db_url) as caller:
@@ -224,7 +225,7 @@ async def test_bad_input_is_refused_before_anything_is_written(
 
 @asynchronous
 async def test_sync_and_async_connections_are_each_refused_by_the_other_form(
-        db_url: str, app: Celery) -> None:
+        db_url: str, app: Celery) -> None:  # noqa: F811
     to_sync = "is a synchronous connection: use `pgbroker.enqueue"
     with psycopg.connect(db_url) as sync_conn, Session() as session:
         for db in (sync_conn, session):
@@ -250,7 +251,7 @@ async def test_sync_and_async_connections_are_each_refused_by_the_other_form(
 
 @asynchronous
 async def test_an_async_scoped_session_is_its_current_session(
-        db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     engine = create_async_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
     scoped = async_scoped_session(async_sessionmaker(engine), scopefunc=asyncio.current_task)
     try:
@@ -269,7 +270,7 @@ async def test_an_async_scoped_session_is_its_current_session(
 @asynchronous
 async def test_a_database_without_the_schema_is_a_clear_error(db_url: str,
                                                               broker_url: str) -> None:
-    app = Celery("elsewhere", broker=broker_url, set_as_current=False)
+    app = Celery("elsewhere", broker=broker_url, set_as_current=False)  # noqa: F811
     app.conf.broker_transport_options = {"schema": "not_migrated"}
     async with opened("async_session", db_url) as caller:
         with pytest.raises(SchemaError, match="no pgbroker schema 'not_migrated'"):
@@ -285,7 +286,7 @@ async def test_a_database_without_the_schema_is_a_clear_error(db_url: str,
 
 @asynchronous
 async def test_atransaction_routes_delay_send_task_chain_and_group(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     add = app.tasks["t.add"]
     async with opened(kind, db_url) as caller:
         async with pgbroker.atransaction(caller.db):
@@ -307,7 +308,7 @@ async def test_atransaction_routes_delay_send_task_chain_and_group(
 
 @asynchronous
 async def test_atransaction_rollback_leaves_nothing(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     async with opened(kind, db_url) as caller:
         async with pgbroker.atransaction(caller.db):
             group(app.tasks["t.add"].s(i, i) for i in range(3)).apply_async()
@@ -324,7 +325,7 @@ async def test_atransaction_rollback_leaves_nothing(
 
 @asynchronous
 async def test_a_failed_transaction_drops_the_block_and_raises_the_callers_error(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     async with opened(kind, db_url) as caller:
         await caller.execute("INSERT INTO public.things VALUES ('taken')")
         with pytest.raises(Exception, match="duplicate key") as info:
@@ -339,7 +340,7 @@ async def test_a_failed_transaction_drops_the_block_and_raises_the_callers_error
 
 @asynchronous
 async def test_a_cancelled_request_writes_nothing(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     """A request cancelled inside the block (a client that went away): CancelledError is no
     Exception, so the buffer is dropped, nothing is sent, and the connection stays usable."""
     inside = asyncio.Event()
@@ -363,7 +364,7 @@ async def test_a_cancelled_request_writes_nothing(
 
 @asynchronous
 async def test_autocommit_writes_each_statement_at_once(
-        db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     """A psycopg AsyncConnection in autocommit mode has no transaction to join: each statement
     is its own, so batches go one by one (not pipelined) and are visible at once."""
     Recorder.log = []
@@ -381,7 +382,7 @@ async def test_autocommit_writes_each_statement_at_once(
 
 @asynchronous
 async def test_a_commit_inside_atransaction(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     """SQLAlchemy: a commit inside the block writes the buffered jobs first, a rollback drops
     them. psycopg has no commit hook: leaving the block then raises rather than losing them."""
     add = app.tasks["t.add"]
@@ -408,7 +409,7 @@ async def test_a_commit_inside_atransaction(
 @pytest.mark.parametrize("fails", [False, True], ids=["commits", "raises"])
 @asynchronous
 async def test_the_readme_example_a_transaction_block_of_the_callers_library(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection, fails: bool) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection, fails: bool) -> None:  # noqa: F811
     """As in the README's FastAPI example: aenqueue and an atransaction block inside the
     library's own transaction block (``db.begin()``, psycopg's ``conn.transaction()``), whose
     commit writes both jobs with the application's row, and whose exception rolls all back."""
@@ -429,7 +430,7 @@ async def test_the_readme_example_a_transaction_block_of_the_callers_library(
 
 @asynchronous
 async def test_concurrent_requests_each_write_in_their_own_transaction(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     """Two requests served at once by one event loop (asyncio tasks), each with its connection:
     each one's publishes go to its own transaction; a task that was not started inside a block
     publishes through the broker's own connection, visible at once."""
@@ -460,7 +461,7 @@ async def test_concurrent_requests_each_write_in_their_own_transaction(
 
 @asynchronous
 async def test_atransaction_blocks_nest_like_transaction_blocks(
-        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:
+        kind: str, db_url: str, app: Celery, pg: psycopg.Connection) -> None:  # noqa: F811
     """The innermost block takes the publishes, and writes them when it is left; leaving it
     gives the outer block back its own. A synchronous ``transaction(conn)`` nests the same way
     (inside it, publishes go to ``conn``); ``aenqueue``, and ``enqueue`` on a synchronous

@@ -24,8 +24,6 @@ import pytest
 from pgbroker.cli import main
 from pgbroker.migrate import MIGRATIONS
 from pgbroker.ops import os_user
-from tests.apps import e2e_app as e2e
-from tests.support.workers import job
 from tests.support.processes import REPO_ROOT, Run, pgbroker_process, wait_for
 from tests.support.db import CHILD_KILLED, LOST, add_job, add_jobs, job_state
 

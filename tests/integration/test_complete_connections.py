@@ -28,7 +28,7 @@ def _running(pg: psycopg.Connection, attempts: int = 1) -> tuple[uuid.UUID, Any]
         properties={"delivery_tag": f"{job}/{attempts}"}), app=None)
 
 
-def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -> None:
+def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -> None:  # noqa: F811
     from django.db import connection, transaction
 
     from tests.apps.django_project.shop.models import Order
@@ -47,7 +47,7 @@ def test_django_atomic(client: Celery, django_db: Any, pg: psycopg.Connection) -
     assert [o.item for o in Order.objects.all()] == ["kept"]
 
 
-def test_sqlalchemy_and_psycopg(client: Celery, db_url: str, pg: psycopg.Connection) -> None:
+def test_sqlalchemy_and_psycopg(client: Celery, db_url: str, pg: psycopg.Connection) -> None:  # noqa: F811
     pg.execute("CREATE TABLE public.effects (job uuid)")
     engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
     job, task = _running(pg)

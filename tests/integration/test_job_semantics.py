@@ -16,7 +16,6 @@ import pytest
 from pgbroker import signals
 from pgbroker.errors import OperationError
 from pgbroker.ops import Operations
-from pgbroker._pg.catalogue import queries
 from pgbroker.sweeper import Sweeper
 from tests.support.db import add_job
 from tests.integration.test_sweeper_log import lost_consumer
