@@ -251,8 +251,11 @@ def test_a_publish_probes_jobs_done_whatever_plan_its_connection_cached(
 
     def publish(conn: psycopg.Connection, statement: str) -> None:
         jobs = [new_job("q1", n, task="t.a", task_id=str(uuid.uuid4())) for n in range(5)]
-        conn.execute("SELECT pg_stat_force_next_flush()")
         conn.execute(statement, batch_lists(jobs, "pgbroker.jobs"), prepare=True, binary=True)
+        # its reads reach the shared statistics as this session goes idle after the call (a
+        # call before the publish is spent on its own statement: the publish's reads then
+        # waited for the next flush, up to 10 s later, and the check read nothing)
+        conn.execute("SELECT pg_stat_force_next_flush()")
 
     with psycopg.connect(db_url, autocommit=True) as ours, \
             psycopg.connect(db_url, autocommit=True) as theirs:
@@ -263,12 +266,11 @@ def test_a_publish_probes_jobs_done_whatever_plan_its_connection_cached(
         for _ in range(2):  # prepared, its plan made on an empty jobs_done
             publish(ours, text)
             publish(theirs, inline)
-        pg.execute("SELECT pg_stat_force_next_flush()")  # its reads counted before ours
         pg.execute("INSERT INTO pgbroker.jobs (id, queue, task, task_id, body, state)"
                    " SELECT gen_random_uuid(), 'q1', 't.a', 'done-' || g, '\\x00', 'completed'"
                    " FROM generate_series(1, 50000) AS g")
+        pg.execute("SELECT pg_stat_force_next_flush()")  # its reads counted before ours
         pages = pg.execute("SELECT pg_relation_size('pgbroker.jobs_done') / 8192").fetchone()[0]
-        # (each publish flushes its session's statistics as it ends: pg_stat_force_next_flush)
         before = _done_reads(pg)
         publish(ours, text)
         heap, index = (a - b for a, b in zip(_done_reads(pg), before))
