@@ -69,9 +69,9 @@ class Session:
         self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
         self._pid = os.getpid()
         #: through a transaction pooler: said (``transaction_pooling``) or found at the first
-        #: statement it broke (:meth:`_pooler_found`)
+        #: statement it broke (:meth:`pooler_found`)
         self.pooled = settings.transaction_pooling
-        #: called with every new connection, under the store's lock (a lease takes its advisory
+        #: called with every new connection, under the session's lock (a lease takes its advisory
         #: lock again: it went with the old session)
         self.on_connect: list[Any] = []
 
