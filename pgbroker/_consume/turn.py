@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from time import monotonic
 from typing import Any
 
 import psycopg
@@ -53,15 +52,15 @@ class LoopStatements:
         #: (text and types) and the server's own settings apply (acks then wait for the flush)
         self._texts: dict[bytes, bytes] | None = {} if settings.transaction_pooling else None
         q = queries(settings.schema)
+        #: the session's rules for this connection's statements: consumer bookkeeping, whose
+        #: commit waits for the flush only with durable_acks. A claim waits for a row lock
+        #: only on the rows of the acks folded into it (its candidates are SKIP LOCKED): one
+        #: that meets a lock is sent again without its acks (as in Store.claim); one waiting
+        #: for a table lock is sent again as it was.
+        self._policy = _session.Policy(settings)
+        self._sync = settings.durable_acks
         with _db.translate_errors("preparing the claim"):
-            if self._texts is None:
-                conn.execute("SET synchronous_commit = "
-                             + ("on" if settings.durable_acks else "off"))
-                conn.execute("SET plan_cache_mode = force_generic_plan")
-                # A claim waits for a row lock only on the rows of the acks folded into it (its
-                # candidates are SKIP LOCKED): one that meets a lock is sent again without its
-                # acks (as in Store.claim); one waiting for a table lock is sent again as it was.
-                conn.execute(f"SET lock_timeout = {int(CLAIM_LOCK_TIMEOUT * 1000)}")
+            self._policy.setup(conn)
             for name, key in self._STATEMENTS.items():
                 text, self._order[name] = _pq.numbered(q[key])
                 if self._texts is not None:
@@ -71,12 +70,14 @@ class LoopStatements:
                                 [self._TYPES[n] for n in self._order[name]])
         register_jsonb_loaders(conn)  # as in Store.connect
         self._tx = Transformer(conn)
-        self._replan_at = monotonic() + _session.REPLAN_SECONDS  # as in Session (read at use)
         self._sent: tuple[bytes, list[bytes], list[tuple[uuid.UUID, int]]] | None = None
         self._results: list[Any] = []
         self._retry = ClaimRetry()  # what the statement in flight does when it fails
         #: acks that met a row lock of another session: see take_locked
         self._locked: list[tuple[uuid.UUID, int]] = []
+
+    def _command(self, command: str) -> None:  # a setting of the policy's, between statements
+        _pq.run(self._pgconn, command.encode())
 
     @property
     def busy(self) -> bool:
@@ -124,9 +125,7 @@ class LoopStatements:
                          text=self._texts[name],
                          types=[self._TYPES[n] for n in self._order[name]])
             else:
-                if monotonic() >= self._replan_at:  # see REPLAN_SECONDS
-                    _pq.run(self._pgconn, b"DISCARD PLANS")
-                    self._replan_at = monotonic() + _session.REPLAN_SECONDS
+                self._policy.before(self._command, self._sync, CLAIM_LOCK_TIMEOUT)
                 _pq.send(self._pgconn, name, values, result_format=psycopg.pq.Format.BINARY)
         self._sent = (name, values, acks)
 

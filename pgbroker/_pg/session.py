@@ -9,7 +9,7 @@ a transaction pooler found at the first prepared statement it broke, and from th
 prepared and no session settings; a deadlock or a moved row sent again
 (:data:`pgbroker._pg.driver.RERUN_ERRORS`). :class:`pgbroker._pg.store.Store` runs pgbroker's
 named statements through one; the event loop's statements on the LISTEN connection
-(:mod:`pgbroker._consume.turn`) follow the same plan and commit settings.
+(:mod:`pgbroker._consume.turn`) run under a :class:`Policy` of their own, the session's rules.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..settings import Settings
 from . import driver as _db
 from .catalogue import Queries
 
-__all__ = ["POOLER_ERRORS", "REPLAN_SECONDS", "Session"]
+__all__ = ["POOLER_ERRORS", "REPLAN_SECONDS", "Policy", "Session"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,50 @@ POOLER_ERRORS = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.Duplicat
 _PUBLISHES = frozenset({"job_insert", "job_insert_many", "job_fanout", "broadcast_insert"})
 
 
+class Policy:
+    """What one connection's statements run under, and what was last set on it.
+
+    A :class:`Session` keeps one for its connection; the event loop's claims and acks on the
+    LISTEN connection (:class:`pgbroker._consume.turn.LoopStatements`) keep their own, as they
+    send their statements through libpq (``run``: how to run one SQL command on it now)."""
+
+    def __init__(self, settings: Settings):
+        #: through a transaction pooler: no session settings, nothing prepared
+        self.pooled = settings.transaction_pooling
+        self._sync: bool | None = None  # the connection's synchronous_commit, as last set
+        self._lock_timeout: float | None = None  # its lock_timeout as last set (None: its own)
+        self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
+
+    def setup(self, conn: psycopg.Connection[Any]) -> None:
+        """A new connection: generic plans (or, pooled, nothing prepared: a session setting
+        would stay on a server session of other clients), nothing else set yet."""
+        self._sync = self._lock_timeout = None
+        self._replan_at = monotonic() + REPLAN_SECONDS
+        if self.pooled:
+            conn.prepare_threshold = None
+        else:
+            conn.execute("SET plan_cache_mode = force_generic_plan")
+
+    def before(self, run: Callable[[str], object], sync: bool,
+               lock_timeout: float | None = None) -> None:
+        """Before every statement: drop the cached plans when they are due (``REPLAN_SECONDS``;
+        the statements stay prepared), and set ``synchronous_commit`` and ``lock_timeout`` for
+        this statement (each only when it changes). Through a transaction pooler, none of it:
+        the server's own settings apply."""
+        if self.pooled:
+            return
+        if monotonic() >= self._replan_at:
+            run("DISCARD PLANS")
+            self._replan_at = monotonic() + REPLAN_SECONDS
+        if self._sync is not sync:
+            run("SET synchronous_commit = " + ("on" if sync else "off"))
+            self._sync = sync
+        if self._lock_timeout != lock_timeout:
+            run("RESET lock_timeout" if lock_timeout is None
+                else f"SET lock_timeout = {int(lock_timeout * 1000)}")
+            self._lock_timeout = lock_timeout
+
+
 class Session:
     """One connection and its statement policy (see the module docstring)."""
 
@@ -62,15 +106,10 @@ class Session:
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._exec_lock = threading.RLock()
-        self._sync: bool | None = None  # the connection's synchronous_commit, as last set
-        self._lock_timeout: float | None = None  # its lock_timeout as last set (None: its own)
+        self.policy = Policy(settings)
         #: statements prepared on it by name, with their parameters' names
         self.prepared: dict[str, list[str]] = {}
-        self._replan_at = 0.0  # when the plans of its prepared statements go (REPLAN_SECONDS)
         self._pid = os.getpid()
-        #: through a transaction pooler: said (``transaction_pooling``) or found at the first
-        #: statement it broke (:meth:`pooler_found`)
-        self.pooled = settings.transaction_pooling
         #: called with every new connection, under the session's lock (a lease takes its advisory
         #: lock again: it went with the old session)
         self.on_connect: list[Any] = []
@@ -97,19 +136,19 @@ class Session:
             for hook in list(self.on_connect):
                 hook(conn)
             self._conn = conn
-            self._sync = None
-            self._lock_timeout = None
             self.prepared = {}
-            self._replan_at = monotonic() + REPLAN_SECONDS
             return conn
 
     def _session_setup(self, conn: psycopg.Connection[Any]) -> None:
-        if self.pooled:  # a session setting would stay on a server session of other clients
-            conn.prepare_threshold = None
-        else:
-            conn.execute("SET plan_cache_mode = force_generic_plan")
+        self.policy.setup(conn)
         if self._setup is not None:
             self._setup(conn)
+
+    @property
+    def pooled(self) -> bool:
+        """Through a transaction pooler: said (``transaction_pooling``) or found at the first
+        statement it broke (:meth:`pooler_found`)."""
+        return self.policy.pooled
 
     def pooler_found(self, exc: BaseException) -> None:
         """A prepared statement went missing, or was there already: a transaction pooler hands
@@ -120,7 +159,7 @@ class Session:
                            "(PgBouncer?); statements are no longer prepared on it (set the "
                            "transport option transaction_pooling: True to say so)",
                            str(exc).strip().splitlines()[0])
-        self.pooled = True
+        self.policy.pooled = True
         if self._conn is not None and not self._conn.closed:
             self._conn.prepare_threshold = None
 
@@ -141,8 +180,6 @@ class Session:
             self._exec_lock = threading.RLock()
             self.on_connect = []  # the parent's leases are not this process's
             self._conn = None
-            self._sync = None
-            self._lock_timeout = None
 
     def statement_lock(self) -> Any:  # held to run statements on .conn directly (re-entrant)
         self._check_fork()
@@ -169,7 +206,7 @@ class Session:
         self._check_fork()
         with self._exec_lock, _db.translate_errors(what or f"pgbroker {name}"):
             conn = self.conn
-            self._before_statement(conn, sync, lock_timeout)
+            self.policy.before(conn.execute, sync, lock_timeout)
             tries = 1
             while True:
                 try:
@@ -185,26 +222,6 @@ class Session:
                         raise
                     tries += 1
 
-    def _before_statement(self, conn: psycopg.Connection[Any], sync: bool,
-                          lock_timeout: float | None = None) -> None:
-        """Before every statement: drop the cached plans when they are due (``REPLAN_SECONDS``;
-        the statements stay prepared, for psycopg's cache and ours), and set
-        ``synchronous_commit`` and ``lock_timeout`` for this statement (each only when it
-        changes: maintenance and the claim set a timeout, the rest do not). Through a
-        transaction pooler, none of it: the server's own settings apply."""
-        if self.pooled:
-            return
-        if monotonic() >= self._replan_at:
-            conn.execute("DISCARD PLANS")
-            self._replan_at = monotonic() + REPLAN_SECONDS
-        if self._sync is not sync:
-            conn.execute("SET synchronous_commit = " + ("on" if sync else "off"))
-            self._sync = sync
-        if self._lock_timeout != lock_timeout:
-            conn.execute("RESET lock_timeout" if lock_timeout is None
-                         else f"SET lock_timeout = {int(lock_timeout * 1000)}")
-            self._lock_timeout = lock_timeout
-
     @contextlib.contextmanager
     def statement(self, name: str, sync: bool, lock_timeout: float | None = None
                   ) -> Iterator[psycopg.Connection[Any]]:
@@ -213,5 +230,5 @@ class Session:
         self._check_fork()
         with self._exec_lock, _db.translate_errors(f"pgbroker {name}"):
             conn = self.conn
-            self._before_statement(conn, sync, lock_timeout)
+            self.policy.before(conn.execute, sync, lock_timeout)
             yield conn

@@ -17,7 +17,6 @@ import uuid
 import psycopg
 import pytest
 
-import pgbroker._consume.turn
 import pgbroker._pg.session
 from pgbroker._pg.catalogue import queries
 from pgbroker._pg.libpq import numbered as _numbered
@@ -45,7 +44,6 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     monkeypatch.setattr(pgbroker._pg.session, "REPLAN_SECONDS", INTERVAL)
     clock = Clock()
     monkeypatch.setattr(pgbroker._pg.session, "monotonic", clock)
-    monkeypatch.setattr(pgbroker._consume.turn, "monotonic", clock)
     return clock
 
 

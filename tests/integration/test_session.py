@@ -62,3 +62,26 @@ def test_a_result_write_that_meets_a_deadlock_is_sent_again(app: Celery,
             "force_generic_plan", "pgbroker results")
     finally:
         backend.close()
+
+
+LOOP_SETTINGS = ("SELECT current_setting('plan_cache_mode'), "
+                 "current_setting('synchronous_commit'), current_setting('lock_timeout')")
+
+
+@pytest.mark.parametrize("durable_acks", [False, True])
+def test_the_event_loops_claims_run_under_the_sessions_policy(
+        broker_url: str, durable_acks: bool) -> None:
+    """The LISTEN connection's claims and acks (LoopStatements) take the session's rules: generic
+    plans, consumer bookkeeping's commit (flushed only with durable_acks), the claim's lock
+    timeout."""
+    from tests.support.transport import NO_POLL, LoopConsumer, connect, publish
+
+    with connect(broker_url, durable_acks=durable_acks, **NO_POLL) as conn, \
+            connect(broker_url) as producer:
+        consumer = LoopConsumer(conn, "loop-policy", prefetch=1)
+        publish(producer, "one", "loop-policy")
+        consumer.run_until(lambda: len(consumer.received) == 1)
+        consumer.run_until(lambda: not conn.transport.consumer.line.busy)
+        settings = conn.transport.consumer.listen().execute(LOOP_SETTINGS).fetchone()
+        consumer.hub.close()
+    assert settings == ("force_generic_plan", "on" if durable_acks else "off", "200ms")
