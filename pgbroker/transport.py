@@ -198,7 +198,6 @@ class Channel(virtual.Channel):
         self.claims = ClaimPolicy(self.settings.claim_batch_max)
         self._undecodable: dict[str, str] = {}
         self._declared: set[str] = set()
-        self._no_ack: set[str] = set()   # queues consumed with no_ack: acked at claim
         self._bound: dict[str, tuple[float, list[tuple[str, str]]]] = {}  # exchange -> bindings
 
     @property
@@ -381,9 +380,7 @@ class Channel(virtual.Channel):
         self.consumer.listen()  # before the first claim, or a NOTIFY could fall in between
         result: str = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self.consumer.lease.ensure(refresh=True)  # listed at once: x-expires must not hit it
-        if no_ack:
-            self._no_ack.add(queue)
-        self.consumer.consume(self, queue)
+        self.consumer.consume(self, queue, no_ack)
         return result
 
     def basic_qos(self, prefetch_size: int = 0, prefetch_count: int = 0,
@@ -394,17 +391,13 @@ class Channel(virtual.Channel):
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
-        self.consumer.reset_credit()
-        if queue is not None and queue not in self._active_queues:
-            self._no_ack.discard(queue)
-            if self.consumer.leased:
-                self.consumer.lease.ensure(refresh=True)
+        self.consumer.cancel(self, queue)
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(queue, no_ack, **kwargs)
         if message is not None and no_ack:
-            self._ack_at_claim([message.delivery_tag])
+            self.consumer.ack_at_claim([message.delivery_tag])
         return message
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
@@ -418,22 +411,9 @@ class Channel(virtual.Channel):
                 return payload
         raise virtual.Empty()
 
-    def _ack_at_claim(self, tags: list[str]) -> None:
-        """no_ack consumers never ack: their deliveries are complete once handed over."""
-        deliveries = [d for d in map(parse_delivery_tag, tags) if d is not None]
-        for delete in (True, False):
-            batch = [d[:2] for d in deliveries if (d[2] or self.settings.retention == 0) == delete]
-            if batch:
-                self.consumer.settle_rows("ack_delete" if delete else "ack", batch)
-
     def flush_acks(self) -> None:
         """Write the deferred acks now."""
         self.consumer.flush_acks(self)
-
-    def handed_over(self, queue: str, tags: list[str]) -> None:
-        """The Consumer handed these deliveries of ``queue`` over (a no_ack queue's are done)."""
-        if tags and queue in self._no_ack:
-            self._ack_at_claim(tags)
 
     def basic_recover(self, requeue: bool = False) -> Any:
         if not requeue:

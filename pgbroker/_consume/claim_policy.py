@@ -54,6 +54,7 @@ class ClaimPolicy:
         self.quiet_until = 0.0     # wake-ups wait until then (see wake)
         self.held_wake = False     # one is waiting
         self.pending_acks: list[Delivery] = []  # deferred acks (see QoS.ack)
+        self.no_ack: set[str] = set()  # queues consumed with no_ack: acked once handed over
         self._rotation = 0
         self._round: list[str] = []  # event loop: the queues still to claim from in this round
         self._gated: set[str] = set()  # the queues claimed by job_claim_gated (sticky)

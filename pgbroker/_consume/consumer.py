@@ -13,8 +13,10 @@ call it.
 Connections: two per process, the shared store's (:mod:`pgbroker._pg.process_store`: publishes,
 acks outside the loop, the lease) and the LISTEN one, which carries the event loop's claims.
 
-What it asks of a channel: ``queues`` (the consumed ones), ``claims`` (its policy and deferred
-acks), ``qos``, ``flush_acks()`` and ``handed_over(queue, tags)``.
+What it reads of a channel: ``queues`` (the consumed ones), ``claims`` (its policy, deferred
+acks and no_ack queues, which only the Consumer changes) and ``qos`` (kombu's prefetch count and
+delivered tags; a delivery its consumer failed on is refused there). It calls nothing else of
+a channel's: the channel asks, the Consumer does.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ from typing import Any
 
 import psycopg
 
-from .._model.claimed import EARLIEST, Claimed, Delivery, JobRow, parse_wake
+from .._model.claimed import Claimed, Delivery, JobRow, parse_wake
 from .._model.message import parse_delivery_tag
 from .._model.routing import matches
 from .._pg import driver as _db
 from .._pg.store import Store
 from ..settings import Settings
-from .claim_policy import WAKE_COALESCE, ClaimPolicy
+from .claim_policy import ClaimPolicy
 from .delivery import Broadcasts, broadcast_payload, row_payload
 from .lease import Lease
 from .settle import RETRY as SETTLE_RETRY
 from .settle import Settler
+from .promotion import Promotion
+from .timer import Timer
 from .turn import LoopStatements
 
 __all__ = ["Consumer"]
@@ -62,10 +66,10 @@ class Consumer:
     ``_listener``, ``line``, ``in_flight``      loop (else      one thread uses the LISTEN
                                                 drain)          connection: the loop in a
                                                                 worker, else the drain thread
-    ``_loop``, ``_wake``, ``_timers``,          loop            set at register, cleared at
-    ``_due_*``, ``_promoted_to``,                               close; the other threads only
-    ``_wake_due``/``_wake_entry``,                              read ``_loop``/``_wake`` (is
-    ``_settle_entry``, ``_last_poll``                           there a loop to wake?)
+    ``_loop``, ``_wake``, ``_poll_entry``,      loop (else      set at register, cleared at
+    the ``_timers`` (``_promotion``'s,          drain)          close; the other threads only
+    ``_held``, ``_settle_timer``),                              read ``_loop``/``_wake`` (is
+    ``_promotion``, ``_last_poll``                              there a loop to wake?)
     ``_turn_requested``                         any (True),     a request that sees True skips
                                                 loop (False)    its byte only while one is in
                                                                 the pipe; the loop clears the
@@ -82,8 +86,8 @@ class Consumer:
                                                                 has its own lock
     ``_broadcasts``                             loop or drain   one path per connection
     a channel's ``claims`` (cursor, deferred    loop or drain   acks are deferred only in the
-    acks)                                                       loop or by the drain thread
-                                                                itself (:attr:`defer_acks`)
+    acks; ``no_ack`` queues: the thread                         loop or by the drain thread
+    that calls ``consume``/``cancel``)                          itself (:attr:`defer_acks`)
     ==========================================  ==============  ===============================
     """
 
@@ -104,14 +108,9 @@ class Consumer:
         #: the claim in flight on it: (channel, queue, how many were asked for)
         self.in_flight: tuple[Any, str, int] | None = None
         self._loop: Any = None
-        self._timers: list[Any] = []
-        self._due_entry: Any = None
-        self._due_at: float | None = None
-        self._due_dirty = False  # a scheduled job was published: recompute the next due time
-        self._due_checked_at = 0.0  # when _refresh_due last asked the database
-        #: where the next promotion of scheduled jobs starts (job_promote): a NOTIFY of a job
-        #: scheduled behind it, and the poll, move it back
-        self._promoted_to = EARLIEST
+        self._poll_entry: Any = None  # the loop's repeated poll
+        #: scheduled jobs made pending when due, on its timer
+        self._promotion = Promotion(store, self.queues, self._promoted, self.wake_at)
         self._wake: tuple[int, int] | None = None  # self-pipe waking the event loop for a turn
         self._turn_requested = False
         self._last_poll = monotonic()
@@ -122,10 +121,9 @@ class Consumer:
         #: drain_events calls that return at once, having delivered a batch (see drain)
         self._credit = 0
         self._settler = Settler(store)  # what met another session's row lock
-        self._settle_entry: Any = None
-        #: wake-ups held back (ClaimPolicy.wake) until then, and its timer in the event loop
-        self._wake_due: float | None = None
-        self._wake_entry: Any = None
+        self._settle_timer = Timer(self._retry_unsettled)  # updates that met a row lock
+        self._held = Timer(self._on_wake_due)  # wake-ups a channel held back (ClaimPolicy.wake)
+        self._timers = (self._promotion.timer, self._held, self._settle_timer)  # loop: entries
         self._broadcasts = Broadcasts(store)  # each delivered here once
 
     # -- connections: the LISTEN one and the lease's -----------------------------------------
@@ -191,16 +189,33 @@ class Consumer:
 
     # -- what channels and QoS call ----------------------------------------------------------
 
-    def consume(self, channel: Any, queue: str) -> None:
-        """``channel`` started consuming ``queue`` (LISTEN and the lease are up already)."""
+    def consume(self, channel: Any, queue: str, no_ack: bool) -> None:
+        """``channel`` started consuming ``queue`` (LISTEN and the lease are up already);
+        ``no_ack``: its deliveries are done once handed over (:meth:`ack_at_claim`)."""
+        if no_ack:
+            channel.claims.no_ack.add(queue)
         channel.claims.more = True
         self._credit = 0
         self.request_turn()
-        self.schedule_due(self.store.next_due([queue], self._promoted_to))
+        self._promotion.consumed(queue)
 
-    def reset_credit(self) -> None:
-        """A consumer started or stopped: ``drain``'s next empty call waits again."""
+    def cancel(self, channel: Any, queue: str | None) -> None:
+        """A consumer of ``channel`` stopped (kombu forgot it already): ``drain``'s next empty
+        call waits again; a queue no longer consumed is no longer no_ack, and the lease lists
+        the queues left."""
         self._credit = 0
+        if queue is not None and queue not in channel.queues:
+            channel.claims.no_ack.discard(queue)
+            if self.leased:
+                self.lease.ensure(refresh=True)
+
+    def ack_at_claim(self, tags: list[str]) -> None:
+        """no_ack consumers never ack: their deliveries are complete once handed over."""
+        deliveries = [d for d in map(parse_delivery_tag, tags) if d is not None]
+        for delete in (True, False):
+            batch = [d[:2] for d in deliveries if (d[2] or self.settings.retention == 0) == delete]
+            if batch:
+                self.settle_rows("ack_delete" if delete else "ack", batch)
 
     @property
     def defer_acks(self) -> bool:
@@ -233,11 +248,10 @@ class Consumer:
         self._arm_settle()
 
     def _arm_settle(self) -> None:
-        if self._settler.pending and self._loop is not None and self._settle_entry is None:
-            self._settle_entry = self._loop.call_later(SETTLE_RETRY, self._retry_unsettled)
+        if self._settler.pending and self._loop is not None:
+            self._settle_timer.at_latest(monotonic() + SETTLE_RETRY)
 
     def _retry_unsettled(self) -> None:
-        self._settle_entry = None
         self._settler.retry()
         self._arm_settle()
 
@@ -292,7 +306,8 @@ class Consumer:
                 channel.qos.refuse(tag, (row.id, row.attempt), reason)
                 continue
             handed.append(tag)
-        channel.handed_over(queue, handed)
+        if handed and queue in channel.claims.no_ack:
+            self.ack_at_claim(handed)
         return len(handed)
 
     def payload(self, row: JobRow) -> dict[str, Any] | None:
@@ -386,10 +401,7 @@ class Consumer:
                         channel.claims.lower(rest, place)
                         self._wake_channel(channel)
                     else:
-                        # the payload's delay was measured at INSERT, not at COMMIT: ask the
-                        # database clock once per loop turn, however many arrived
-                        self._due_dirty = True
-                        self._promoted_to = min(self._promoted_to, place[1])
+                        self._promotion.notified(place[1])
         return delivered
 
     def _deliver_broadcast(self, broadcast_id: str, exchange: str) -> int:
@@ -417,71 +429,27 @@ class Consumer:
 
     def wake_at(self, at: float) -> None:
         """Wake the channels that held back a wake-up (ClaimPolicy.wake) at ``at`` (monotonic)."""
-        if self._wake_due is not None and self._wake_due <= at:
-            return
-        self._wake_due = at
-        if self._loop is not None:
-            if self._wake_entry is not None:
-                self._wake_entry.cancel()
-            self._wake_entry = self._loop.call_later(max(at - monotonic(), 0.0), self._on_wake_due)
+        self._held.at_latest(at)
 
     def _on_wake_due(self) -> None:
-        self._wake_due, self._wake_entry = None, None
         for channel in self.channels:
             if channel.claims.held_wake and channel.queues:
                 self._wake_channel(channel)
         self.request_turn()
 
-    def schedule_due(self, delay: float | None) -> None:
-        """Wake up in ``delay`` seconds to promote scheduled jobs (earliest wins)."""
-        if delay is None:
-            return
-        at = monotonic() + max(delay, 0.0)
-        if self._due_at is not None and self._due_at <= at:
-            return
-        self._due_at = at
-        if self._loop is not None:
-            if self._due_entry is not None:
-                self._due_entry.cancel()
-            self._due_entry = self._loop.call_later(max(delay, 0.0), self._on_due)
-
-    def _on_due(self) -> None:
-        self._due_at, self._due_entry = None, None
-        queues = self.queues()
-        if not queues:
-            return
-        reached: list[Any] = []
-        if self.store.promote(queues, after=self._promoted_to, reached=reached):
-            for channel in self.channels:
-                channel.claims.more = True
-            self.request_turn()
-        self._promoted_to = reached[0] if reached else EARLIEST
-        delay = self.store.next_due(queues, self._promoted_to)
-        # a due time already reached but not promoted (LIMIT, or a race): try again shortly
-        self.schedule_due(None if delay is None else max(delay, 0.005))
-
-    def _refresh_due(self) -> None:
-        if not self._due_dirty:
-            return
-        if monotonic() - self._due_checked_at < WAKE_COALESCE:  # spoofed ones: see wake()
-            self.wake_at(self._due_checked_at + WAKE_COALESCE)
-            return
-        self._due_dirty = False
-        self._due_checked_at = monotonic()
-        queues = self.queues()
-        if queues:
-            self.schedule_due(self.store.next_due(queues, self._promoted_to))
+    def _promoted(self) -> None:
+        for channel in self.channels:
+            channel.claims.more = True
+        self.request_turn()
 
     def _poll(self) -> None:
         """The fallback for lost notifications (claim anyway, check due jobs) and readable events
         (a finished result in libpq's buffer: no claim goes out before it is taken)."""
         self._last_poll = monotonic()
-        self._promoted_to = EARLIEST  # (the poll is the fallback for lost notifications)
         self._take_result()
         for channel in self.channels:
             channel.claims.polled(notified=not self.settings.transaction_pooling)
-        if self.queues():
-            self._on_due()
+        self._promotion.poll()
         self.request_turn()
 
     # -- the event loop (Celery worker) ------------------------------------------------------
@@ -500,10 +468,9 @@ class Consumer:
             for fd in self._wake:
                 os.set_blocking(fd, False)
         loop.add_reader(self._wake[0], self._on_wake)
-        self._timers = [loop.call_repeatedly(self.settings.poll_interval, self._poll)]
-        if self._due_at is not None:
-            delay, self._due_at = self._due_at - monotonic(), None
-            self.schedule_due(delay)
+        self._poll_entry = loop.call_repeatedly(self.settings.poll_interval, self._poll)
+        for timer in self._timers:
+            timer.attach(loop)
         self.request_turn()
 
     def _unregister_loop(self) -> None:
@@ -516,14 +483,14 @@ class Consumer:
             logger.warning("pgbroker: the claim in flight did not finish: %s", exc)
         for channel in self.channels:  # acks are no longer deferred: write the pending ones
             try:
-                channel.flush_acks()
+                self.flush_acks(channel)
             except Exception as exc:  # noqa: BLE001 - redelivered after the lease, at worst
                 logger.warning("pgbroker: acks not written: %s", exc)
-        for entry in self._timers + [self._due_entry, self._settle_entry, self._wake_entry]:
-            if entry is not None:
-                entry.cancel()
-        self._timers, self._due_entry, self._due_at = [], None, None
-        self._settle_entry, self._wake_entry, self._wake_due = None, None, None
+        if self._poll_entry is not None:
+            self._poll_entry.cancel()
+            self._poll_entry = None
+        for timer in self._timers:
+            timer.detach()
         fds = [self._wake[0]] if self._wake else []
         if self._listener is not None and not self._listener.closed:
             fds.append(self._listener.fileno())
@@ -591,7 +558,7 @@ class Consumer:
         may find something, or else the acks alone; never wait for it. With a statement in
         flight, its result starts the next turn."""
         _db.ensure_current(self._listener, "the LISTEN connection")  # (after a failover)
-        self._refresh_due()
+        self._promotion.refresh()
         line = self.line
         if line is None or line.busy:
             return
@@ -627,19 +594,15 @@ class Consumer:
             if self._credit:
                 self._credit -= 1
                 return
-            self._refresh_due()
+            self._promotion.refresh()
             now = monotonic()
-            if self._due_at is not None and now >= self._due_at:
-                self._on_due()
-                continue
-            if self._wake_due is not None and now >= self._wake_due:
-                self._on_wake_due()
+            if self._promotion.timer.fire_if_due(now) or self._held.fire_if_due(now):
                 continue
             if now - self._last_poll >= self.settings.poll_interval:
                 self._poll()
                 continue
             wait = self._last_poll + self.settings.poll_interval - now
-            for at in (self._due_at, self._wake_due):
+            for at in (self._promotion.timer.at, self._held.at):
                 if at is not None:
                     wait = min(wait, at - now)
             if deadline is not None:
@@ -665,5 +628,5 @@ class Consumer:
         finally:
             self._draining = None
             for channel in self.channels:
-                channel.flush_acks()
+                self.flush_acks(channel)
 
