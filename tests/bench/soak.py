@@ -2,23 +2,25 @@
 
 Finished jobs stay for ``retention`` (24 h by default); since 0020_finished_partition.sql they
 stay in ``jobs_done``, out of the table every claim and ack works in (``jobs_live``). This run
-pushes ``--tasks`` jobs (2,000,000 by default) through one queue as fast as the machine allows,
-on a PostgreSQL server of its own (``initdb``, ``pg_stat_statements``), with autovacuum on or
-off for the whole run (``--autovacuum``), and samples every ``--every`` tasks:
+pushes ``--tasks`` jobs (2,000,000 by default) through one queue at ``--rate`` jobs/s by the
+wall clock (without a rate, as fast as the machine allows), on a PostgreSQL server of its own
+(``initdb``, ``pg_stat_statements``), with autovacuum on or off for the whole run
+(``--autovacuum``), and samples every ``--every`` tasks:
 
-* the claim: its mean time and shared buffers (hit + read) per call over the sample, from
+* the claim: its mean time, shared buffers (hit + read) and rows per call over the sample, from
   ``pg_stat_statements`` (job_claim, the statement the transport sends: acks folded in);
 * the hot table: ``jobs_live``'s heap and index sizes, its dead row versions, the backlog;
 * the finished rows: ``jobs_done``'s heap and index sizes (they grow: a day of history).
 
 The load is pgbroker's own hot path without Celery's per-task overhead, so that millions fit in
-minutes: a producer process writes batches of 1,000 with ``Store.insert_many`` (the statement of
-``enqueue_many``), keeping at most ``--backlog`` jobs waiting; ``--consumers`` processes each
-claim up to 100 jobs a statement with the previous batch's acks folded in (``Store.claim``, as
-the transport's event loop does), starting after their cursor and from the head every sixth
-claim (pgbroker._consume.claim_policy.ClaimPolicy's rule). With autovacuum off the monitor runs the
-sweeper's VACUUM fallback (pgbroker._pg.vacuum.VacuumFallback) every 15 s, as every worker's sweeper
-does.
+minutes: a producer process writes batches with ``Store.insert_many`` (the statement of
+``enqueue_many``), what is due by the rate (a backlog that grows is the consumers falling
+behind, and shows), or without a rate keeping at most ``--backlog`` jobs waiting;
+``--consumers`` processes each claim up to 100 jobs a statement with the previous batch's acks
+folded in (``Store.claim``, as the transport's event loop does), starting after their cursor and
+from the head every sixth claim (pgbroker._consume.claim_policy.ClaimPolicy's rule). With
+autovacuum off the monitor runs the sweeper's VACUUM fallback (pgbroker._pg.vacuum.VacuumFallback)
+every 15 s, as every worker's sweeper does.
 
 Printed: a line per sample, then a table; ``soak-<autovacuum>.json`` in ``--out`` holds every
 figure, and ``--plot`` draws the claim and the sizes against tasks done (matplotlib, the ``bench``
@@ -26,8 +28,12 @@ extra). Nothing is asserted about speed.
 
 Run::
 
-    python -m tests.bench.soak --autovacuum on  --out /tmp/soak
-    python -m tests.bench.soak --autovacuum off --out /tmp/soak --plot docs/soak.png
+    python -m tests.bench.soak --rate 1000 --autovacuum on  --out /tmp/soak
+    python -m tests.bench.soak --rate 1000 --autovacuum off --out /tmp/soak --plot docs/soak.png
+
+The hot table's size is the rate times the time between two VACUUMs (a minute: autovacuum's
+naptime, the fallback's interval), so a paced run measures the table at one churn; an unpaced
+one measures the machine's speed as well.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from tests.bench.capacity import stats_server
 QUEUE = "soak"
 TASK = "soak.noop"
 BATCH = 1000          # jobs a producer statement writes
+PACED_BATCH = 50      # jobs a paced producer waits to be due before it writes them
 CLAIM = 100           # jobs a claim takes
 RESCAN = 30.0         # seconds between two claims from the head (the 6th poll of 5 s)
 VACUUM_EVERY = 15.0   # seconds between two looks of the VACUUM fallback (autovacuum off)
@@ -67,15 +74,24 @@ def _job(n: int) -> NewJob:
                   routing_key=QUEUE, task=TASK, task_id=f"soak-{n}")
 
 
-def produce(url: str, total: int, backlog: int, published: Any, done: Any) -> None:
+def produce(url: str, total: int, backlog: int, published: Any, done: Any,
+            rate: float = 0.0) -> None:
+    """Publish ``total`` jobs: at ``rate`` jobs/s by the wall clock (what is due since the start,
+    in batches of up to BATCH; a backlog that grows is the consumers falling behind, and shows),
+    or, without a rate, as fast as the consumers keep at most ``backlog`` waiting."""
     store = Store(url, Settings())
-    n = 0
+    n, started = 0, time.monotonic()
     try:
         while n < total:
-            if published.value - done.value >= backlog:
+            if rate:
+                due = int(rate * (time.monotonic() - started))
+                wait = due - n < min(PACED_BATCH, total - n)
+            else:
+                due, wait = total, published.value - done.value >= backlog
+            if wait:
                 time.sleep(0.01)
                 continue
-            size = min(BATCH, total - n)
+            size = min(BATCH, total - n, due - n)
             store.insert_many([_job(n + i) for i in range(size)])
             n += size
             with published.get_lock():
@@ -84,7 +100,7 @@ def produce(url: str, total: int, backlog: int, published: Any, done: Any) -> No
         store.close()
 
 
-def consume(url: str, total: int, done: Any, failed: Any) -> None:
+def consume(url: str, total: int, done: Any, failed: Any, idle: float = 0.002) -> None:
     store = Store(url, Settings())
     me = uuid.uuid4()
     after, acks, rescan_at = HEAD, [], time.monotonic() + RESCAN
@@ -108,7 +124,7 @@ def consume(url: str, total: int, done: Any, failed: Any) -> None:
                 last = rows[-1]
                 after = (-last.priority, last.run_at, last.id)
             elif done.value < total:
-                time.sleep(0.002)
+                time.sleep(idle)
     finally:
         store.close()
 
@@ -118,7 +134,8 @@ CLAIM_PREFIX = "WITH candidates AS MATERIALIZED"
 
 def sample(pg: psycopg.Connection, tasks: int, started: float) -> dict[str, Any]:
     claim = pg.execute(
-        "SELECT sum(calls), sum(total_exec_time), sum(shared_blks_hit + shared_blks_read)"
+        "SELECT sum(calls), sum(total_exec_time), sum(shared_blks_hit + shared_blks_read),"
+        " sum(rows)"
         " FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
         " WHERE datname = current_database()) AND query LIKE %s",
         (CLAIM_PREFIX + "%",)).fetchone()
@@ -132,7 +149,7 @@ def sample(pg: psycopg.Connection, tasks: int, started: float) -> dict[str, Any]
         "  WHERE relid = 'pgbroker.jobs_live'::regclass)").fetchone()
     return {"tasks": tasks, "seconds": time.monotonic() - started,
             "claim_calls": float(claim[0] or 0), "claim_ms_total": float(claim[1] or 0),
-            "claim_blocks_total": float(claim[2] or 0),
+            "claim_blocks_total": float(claim[2] or 0), "claim_rows_total": float(claim[3] or 0),
             "live_heap": sizes[0], "live_indexes": sizes[1], "done_heap": sizes[2],
             "done_indexes": sizes[3], "live_dead": sizes[4], "backlog": sizes[5],
             "live_vacuums": sizes[6]}
@@ -151,6 +168,8 @@ def per_sample(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["claim_blocks"] = (s["claim_blocks_total"]
                                - (before["claim_blocks_total"] if before else 0)) / calls \
             if calls else 0.0
+        row["claim_rows"] = (s["claim_rows_total"] - (before["claim_rows_total"] if before else 0)
+                             ) / calls if calls else 0.0
         row["rate"] = (s["tasks"] - (before["tasks"] if before else 0)) / max(
             s["seconds"] - (before["seconds"] if before else 0), 1e-9)
         out.append(row)
@@ -159,15 +178,17 @@ def per_sample(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(tasks: int, every: int, autovacuum: bool, consumers: int, backlog: int,
-        log: Any = print) -> dict[str, Any]:
+        rate: float = 0.0, log: Any = print) -> dict[str, Any]:
     settings = {"autovacuum": "on" if autovacuum else "off", "log_autovacuum_min_duration": "0"}
     with stats_server(settings) as server:
         url = server.create_database()
         migrate(url)
         ctx = mp.get_context("spawn")
         published, done, failed = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
-        procs = [ctx.Process(target=produce, args=(url, tasks, backlog, published, done))]
-        procs += [ctx.Process(target=consume, args=(url, tasks, done, failed))
+        procs = [ctx.Process(target=produce, args=(url, tasks, backlog, published, done, rate))]
+        # paced, an idle consumer claims again after 10 ms (the transport waits for a NOTIFY)
+        procs += [ctx.Process(target=consume, args=(url, tasks, done, failed,
+                                                    0.01 if rate else 0.002))
                   for _ in range(consumers)]
         samples: list[dict[str, Any]] = []
         fallback = _vacuum.VacuumFallback(url, Settings(), background=False)
@@ -189,6 +210,7 @@ def run(tasks: int, every: int, autovacuum: bool, consumers: int, backlog: int,
                     r = per_sample(samples)[-1]
                     log(f"{r['tasks']:>9,} tasks {r['seconds']:7.0f} s {r['rate']:6.0f}/s"
                         f"  claim {r['claim_ms']:.3f} ms {r['claim_blocks']:6.1f} blocks"
+                        f" {r['claim_rows']:5.1f} rows"
                         f"  jobs_live {(r['live_heap'] + r['live_indexes']) / 2**20:7.1f} MiB"
                         f" ({r['live_dead']} dead, {r['backlog']} waiting,"
                         f" {r['live_vacuums']} vacuums)"
@@ -207,7 +229,7 @@ def run(tasks: int, every: int, autovacuum: bool, consumers: int, backlog: int,
                 if p.exitcode:
                     raise RuntimeError(f"a soak process failed ({p.exitcode})")
     return {"tasks": tasks, "autovacuum": autovacuum, "consumers": consumers,
-            "backlog": backlog, "samples": per_sample(samples)}
+            "backlog": backlog, "rate": rate, "samples": per_sample(samples)}
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
@@ -226,13 +248,14 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         top, bottom = axes[0][col], axes[1][col]
         top.plot(x, [r["claim_ms"] for r in rows], "o-", color="#c0392b", label="ms per claim")
         top.set_ylim(bottom=0)
-        top.set_ylabel("job_claim, ms per call (100 jobs, acks folded in)")
+        top.set_ylabel("job_claim, ms per call (up to 100 jobs, acks in)")
         blocks = top.twinx()
         blocks.plot(x, [r["claim_blocks"] for r in rows], "s--", color="#2980b9",
                     label="buffers per claim")
         blocks.set_ylim(bottom=0)
         blocks.set_ylabel("shared buffers per call")
-        top.set_title(f"{results['tasks']:,} tasks, autovacuum "
+        paced = f" at {results['rate']:,.0f}/s" if results.get("rate") else ""
+        top.set_title(f"{results['tasks']:,} tasks{paced}, autovacuum "
                       f"{'on' if results['autovacuum'] else 'off'}")
         top.legend(loc="upper left")
         blocks.legend(loc="upper right")
@@ -258,12 +281,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=100_000)
     parser.add_argument("--autovacuum", choices=("on", "off"), default="on")
     parser.add_argument("--consumers", type=int, default=3)
-    parser.add_argument("--backlog", type=int, default=20_000)
+    parser.add_argument("--backlog", type=int, default=20_000,
+                        help="unpaced: the most jobs kept waiting")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="jobs/s offered by the wall clock (0: as fast as they drain)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None,
                         help="a PNG of this run and of the other one's JSON in --out, if any")
     args = parser.parse_args(argv)
-    results = run(args.tasks, args.every, args.autovacuum == "on", args.consumers, args.backlog)
+    results = run(args.tasks, args.every, args.autovacuum == "on", args.consumers, args.backlog,
+                  args.rate)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, f"soak-{args.autovacuum}.json").write_text(json.dumps(results, indent=1))
