@@ -152,6 +152,10 @@ def test_a_concurrency_key_runs_one_at_a_time_across_three_workers(
     # the retry kept its key (a new row with the same task id)
     assert runs.execute("SELECT array_agg(DISTINCT concurrency_key) FROM pgbroker.jobs"
                         " WHERE task = 'keys.flaky'").fetchone()[0] == ["source:42"]
+    # a run's end is written by the task, its ack (which gives the slot back) a moment later
+    wait_for(lambda: not runs.execute("SELECT count(*) FROM pgbroker.jobs WHERE state IN"
+                                      " ('scheduled', 'pending', 'running')").fetchone()[0], 30,
+             interval=0.1, message="every job acked")
     assert set(r[0] for r in runs.execute("SELECT running FROM pgbroker.concurrency_keys")) == {0}
     spread = runs.execute("SELECT count(DISTINCT pid) FROM public.key_runs"
                           " WHERE arg LIKE 'source:42/%'").fetchone()[0]
