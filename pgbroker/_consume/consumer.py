@@ -40,9 +40,9 @@ from ..settings import Settings
 from .claim_policy import ClaimPolicy
 from .delivery import Broadcasts, broadcast_payload, row_payload
 from .lease import Lease
+from .promotion import Promotion
 from .settle import RETRY as SETTLE_RETRY
 from .settle import Settler
-from .promotion import Promotion
 from .timer import Timer
 from .turn import LoopStatements
 
