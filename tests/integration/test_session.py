@@ -12,6 +12,7 @@ from celery import Celery
 
 from pgbroker.backend import DatabaseBackend
 from pgbroker.beat import Scheduler
+from tests.support.transport import NO_POLL, LoopConsumer, connect, publish
 
 SETTINGS = ("SELECT current_setting('plan_cache_mode'), "
             "current_setting('idle_in_transaction_session_timeout'), "
@@ -74,8 +75,6 @@ def test_the_event_loops_claims_run_under_the_sessions_policy(
     """The LISTEN connection's claims and acks (LoopStatements) take the session's rules: generic
     plans, consumer bookkeeping's commit (flushed only with durable_acks), the claim's lock
     timeout."""
-    from tests.support.transport import NO_POLL, LoopConsumer, connect, publish
-
     with connect(broker_url, durable_acks=durable_acks, **NO_POLL) as conn, \
             connect(broker_url) as producer:
         consumer = LoopConsumer(conn, "loop-policy", prefetch=1)
