@@ -19,7 +19,7 @@ from tests.chaos.hosts import Host, hosts, needs_hosts
 from tests.chaos.load import tally
 from tests.support.throwaway import ThrowawayServer, require_bindir
 from tests.apps import e2e_app as e2e
-from tests.support.workers import SHORT_LEASE, key_runs, owner_of
+from tests.support.workers import SHORT_LEASE, key_runs, owner_of, wait_state
 from tests.support.producers import drop_pools, point_producer
 from tests.support.processes import WorkerProcess, wait_for
 
@@ -122,6 +122,8 @@ def test_a_host_cut_off_its_jobs_rescued_its_late_acks_ignored(
         # the cut-off host's copies finish now; their acks (attempt 1) change nothing
         wait_for(lambda: all(len(key_runs(pg, k + ":done")) == 2 for k in keys), 90,
                  interval=0.2, message="both copies of each nap to finish")
+        for key in keys:  # the rescuer's copy writes its end a moment before its ack
+            wait_state(pg, key, "completed", timeout=30)
         rows = pg.execute("SELECT state, attempts FROM pgbroker.jobs WHERE task_id = ANY(%s)",
                           (keys,)).fetchall()
         rerun_by = {owner_of(key_runs(pg, k)[1]["pid"], cut_off, *helpers).name for k in keys}
