@@ -14,7 +14,7 @@ import psycopg
 from celery import Celery
 
 from tests.apps.e2e_app import nap
-from tests.support.workers import job, key_runs, start_worker
+from tests.support.workers import key_runs, start_worker, wait_state
 from tests.support.processes import wait_for
 
 SHORT = {"lease_timeout": 6, "heartbeat_interval": 2, "sweep_interval": 1}
@@ -46,6 +46,6 @@ def test_a_short_lease_sweeper_never_rescues_a_long_lease_workers_running_job(
     # the short-lease worker swept every second while the long one was silent for longer
     # than 6 s: by its own setting it would have declared it lost
     assert silence > SHORT["lease_timeout"]
-    row = job(pg, result.id)
+    row = wait_state(pg, result.id, "completed", timeout=30)  # its ack follows its end
     assert (row["state"], row["attempts"], row["last_error"]) == ("completed", 1, None)
     assert [r["redelivered"] for r in key_runs(pg, "long-nap")] == [False]
