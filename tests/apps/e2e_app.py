@@ -22,15 +22,18 @@ BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127
 #: broker URL is not one libpq URL (kombu's ``a;b`` alternates in tests/chaos/test_failover.py).
 DB_URL = os.environ.get("PGBROKER_TEST_RUNS_URL") or normalize_url(BROKER_URL)
 
-app = Celery("e2eapp", broker=BROKER_URL)
-app.conf.update(
+#: The settings every test app's workers run with: acks late, one job at a time, and the
+#: transport options a test passes in PGBROKER_TEST_TRANSPORT_OPTIONS.
+WORKER_CONF = dict(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     broker_transport_options=json.loads(os.environ.get("PGBROKER_TEST_TRANSPORT_OPTIONS", "{}")),
-    worker_cancel_long_running_tasks_on_connection_loss=False,
 )
+
+app = Celery("e2eapp", broker=BROKER_URL)
+app.conf.update(WORKER_CONF, worker_cancel_long_running_tasks_on_connection_loss=False)
 
 RUNS_DDL = """
 CREATE TABLE IF NOT EXISTS public.runs (

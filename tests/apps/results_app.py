@@ -16,7 +16,7 @@ from typing import Any
 from celery import Celery, group
 
 import pgbroker  # noqa: F401 - registers pgbroker://
-from tests.apps.e2e_app import record
+from tests.apps.e2e_app import WORKER_CONF, record
 
 
 class Boom(Exception):
@@ -71,13 +71,7 @@ def make_app(url: str, **conf: Any) -> Celery:
     """An app with ``broker_url = result_backend = url``, the test tasks registered, and
     ``conf`` on top of the defaults below."""
     app = Celery("results_app", broker=url, backend=url, set_as_current=False)
-    app.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        result_extended=True,
-        broker_connection_retry_on_startup=True,
-    )
+    app.conf.update(WORKER_CONF, result_extended=True)
     app.conf.update(conf)
 
     for func in (add, fail, collect, touch, nest, fan, request_view):

@@ -10,7 +10,6 @@ trigger makes a commit slow when asked, so a test can kill the worker *during* C
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -24,7 +23,7 @@ from sqlalchemy.orm import Session
 import pgbroker
 from pgbroker._celery.complete import current_delivery
 from pgbroker._pg.local_server import normalize_url
-from tests.apps.e2e_app import RUNS_DDL
+from tests.apps.e2e_app import RUNS_DDL, WORKER_CONF
 from tests.apps.e2e_app import _db  # an autocommit connection of this process, outside any task's
 
 BROKER_URL = os.environ.get("PGBROKER_TEST_BROKER_URL", "pgbroker://postgres@127.0.0.1/postgres")
@@ -32,11 +31,7 @@ DB_URL = normalize_url(BROKER_URL)
 
 app = Celery("jobsemapp", broker=BROKER_URL)
 app.conf.update(
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    broker_transport_options=json.loads(os.environ.get("PGBROKER_TEST_TRANSPORT_OPTIONS", "{}")),
+    WORKER_CONF,
     # a soft shutdown (issue 27, item 3): the tasks get this long before a cold shutdown
     worker_soft_shutdown_timeout=float(os.environ.get("PGBROKER_TEST_SOFT_SHUTDOWN", "0")),
     # the receivers of pgbroker's signals live in a module of their own, imported as a worker
