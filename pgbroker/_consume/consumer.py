@@ -248,7 +248,7 @@ class Consumer:
         self._arm_settle()
 
     def _arm_settle(self) -> None:
-        if self._settler.pending and self._loop is not None:
+        if self._settler.pending:
             self._settle_timer.at_latest(monotonic() + SETTLE_RETRY)
 
     def _retry_unsettled(self) -> None:
@@ -582,8 +582,7 @@ class Consumer:
         """
         deadline = None if timeout is None else monotonic() + timeout
         while True:
-            if self._settler.due:  # the synchronous path has no timers
-                self._settler.retry()
+            self._settle_timer.fire_if_due(monotonic())  # acks that met a lock, before claims
             if not self._ready:
                 for channel in list(self.channels):
                     if channel.claims.more and channel.queues:
@@ -596,13 +595,13 @@ class Consumer:
                 return
             self._promotion.refresh()
             now = monotonic()
-            if self._promotion.timer.fire_if_due(now) or self._held.fire_if_due(now):
+            if any(timer.fire_if_due(now) for timer in self._timers):
                 continue
             if now - self._last_poll >= self.settings.poll_interval:
                 self._poll()
                 continue
             wait = self._last_poll + self.settings.poll_interval - now
-            for at in (self._promotion.timer.at, self._held.at):
+            for at in (timer.at for timer in self._timers):
                 if at is not None:
                     wait = min(wait, at - now)
             if deadline is not None:

@@ -45,7 +45,6 @@ class Settler:
     def __init__(self, store: Store):
         self.store = store
         self.pending: list[tuple[str, Delivery, str | None]] = []
-        self.tried_at = monotonic()
         #: settling statements that failed in a row (on a living connection), and the WARNING
         self.failures = 0
         self._warned_at = 0.0
@@ -100,13 +99,8 @@ class Settler:
                         RETRY)
         self.pending.extend((op, delivery, error) for delivery in deliveries)
 
-    @property
-    def due(self) -> bool:
-        return bool(self.pending) and monotonic() - self.tried_at >= RETRY
-
     def retry(self) -> None:
         """Try everything pending once more (grouped: one statement per operation)."""
-        self.tried_at = monotonic()
         todo, self.pending = self.pending, []
         batches: dict[tuple[str, str | None], list[Delivery]] = {}
         for op, delivery, error in todo:

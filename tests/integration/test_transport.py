@@ -433,6 +433,35 @@ def test_drain_events_writes_the_acks_of_a_claimed_batch_together(
             assert counts(pg) == {"completed": 6}
 
 
+def test_drain_events_wakes_to_write_an_ack_that_met_a_row_lock(
+        broker_url: str, db_url: str, pg: psycopg.Connection) -> None:
+    """Outside an event loop, an ack that met another session's row lock is tried again every
+    second by the ``drain_events`` waiting meanwhile, as the worker's loop does: not only when
+    the wait ends (at the next poll, an hour here, a notification or the call's timeout)."""
+    locker = psycopg.connect(db_url)
+    try:
+        with connect(broker_url, **NO_POLL) as conn, connect(broker_url) as producer:
+            publish(conn, "locked", "held")
+            collector = Collector(conn, ["held"])
+            [(_, message)] = collector.take(1)
+            # the server ends the locker's session, and its lock, while the drain below waits
+            locker.execute("SET idle_in_transaction_session_timeout = '2s'")
+            locker.execute("SELECT 1 FROM pgbroker.jobs WHERE queue = 'held' FOR UPDATE")
+            message.ack()  # skips the locked row: kept, to be tried again
+            assert counts(pg) == {"running": 1}
+            drain = threading.Thread(target=conn.drain_events, kwargs={"timeout": 120})
+            drain.start()
+            try:
+                wait_for(lambda: counts(pg) == {"completed": 1}, 30,
+                         message=lambda: f"the ack written while the drain waits ({counts(pg)})")
+            finally:
+                publish(producer, "wake", "held")  # the drain delivers it and returns
+                drain.join(60)
+            assert collector.bodies == ["locked", "wake"]
+    finally:
+        locker.close()
+
+
 # -- delivery identity and the sweeper ------------------------------------------------------------
 
 def test_late_ack_of_an_old_delivery_changes_nothing(store: Store, pg: psycopg.Connection) -> None:
