@@ -123,7 +123,7 @@ class Consumer:
         self._settler = Settler(store)  # what met another session's row lock
         self._settle_timer = Timer(self._retry_unsettled)  # updates that met a row lock
         self._held = Timer(self._on_wake_due)  # wake-ups a channel held back (ClaimPolicy.wake)
-        self._timers = (self._promotion.timer, self._held, self._settle_timer)  # loop: entries
+        self._timers = (self._promotion.timer, self._held, self._settle_timer)  # both paths
         self._broadcasts = Broadcasts(store)  # each delivered here once
 
     # -- connections: the LISTEN one and the lease's -----------------------------------------
