@@ -27,7 +27,7 @@ from celery import Celery
 from pgbroker.errors import JobDead
 from tests.apps import e2e_app as e2e
 from tests.apps import results_app
-from tests.support.db import disk_full_when
+from tests.support.db import counts, disk_full_when
 from tests.support.processes import run_worker, wait_for
 
 NAME = "tests.apps.results_app."
@@ -69,9 +69,8 @@ def test_a_success_is_stored_or_its_job_ends_dead_with_the_reason(
     assert [res.get(timeout=30) for res in fine] == [3, 4, 5]
 
     # a result is stored by the pool process a moment before the main process acks its job
-    wait_for(lambda: pg.execute("SELECT count(*) FROM pgbroker.jobs WHERE state IN "
-                                "('pending', 'running')").fetchone()[0] == 0, 30,
-             message="every job settled")
+    wait_for(lambda: not {"pending", "running"} & counts(pg).keys(), 30,
+             message=lambda: f"every job settled ({counts(pg)})")
     jobs = dict(((task_id, (state, error)) for task_id, state, error in pg.execute(
         "SELECT task_id, state, last_error FROM pgbroker.jobs")))
     assert {t: jobs[t] for t in jobs if t.startswith("full-")} == {
