@@ -445,7 +445,7 @@ def test_drain_events_wakes_to_write_an_ack_that_met_a_row_lock(
             collector = Collector(conn, ["held"])
             [(_, message)] = collector.take(1)
             # the server ends the locker's session, and its lock, while the drain below waits
-            locker.execute("SET idle_in_transaction_session_timeout = '2s'")
+            locker.execute("SET idle_in_transaction_session_timeout = '5s'")
             locker.execute("SELECT 1 FROM pgbroker.jobs WHERE queue = 'held' FOR UPDATE")
             message.ack()  # skips the locked row: kept, to be tried again
             assert counts(pg) == {"running": 1}
